@@ -1,0 +1,166 @@
+//! The closed sets of words Fenceline's events and API use (DESIGN.md sections 6
+//! and 7), each a typed enum that travels as its snake_case name.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A word is not one of the set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{value}` is not a known {what}; expected one of: {}", expected.trim_end_matches(", "))]
+pub struct UnknownWord {
+    pub what: &'static str,
+    pub value: String,
+    pub expected: &'static str,
+}
+
+macro_rules! word_set {
+    ($(#[$doc:meta])* $name:ident, $what:literal { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name { $($(#[$vdoc])* $variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// Do not change: the text is the wire form.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = UnknownWord;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(UnknownWord { what: $what, value: s.to_owned(), expected: concat!($($text, ", "),+) }),
+                }
+            }
+        }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(deserializer)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+word_set!(
+    /// How urgent a task is relative to the same tenant's others.
+    Priority, "priority" { High => "high", Normal => "normal", Low => "low" }
+);
+
+word_set!(
+    /// What a user sees of a task (DESIGN.md section 7).
+    TaskState, "task state" {
+        Queued => "queued",
+        Waiting => "waiting",
+        Running => "running",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Cancelled => "cancelled",
+        AwaitingApproval => "awaiting_approval",
+        OutcomeUnknown => "outcome_unknown",
+        NeedsHuman => "needs_human",
+    }
+);
+
+word_set!(
+    /// How far one execution got; each is written durably before the next begins.
+    Phase, "phase" {
+        Claimed => "claimed",
+        StepStarted => "step_started",
+        CallIntent => "call_intent",
+        ProviderAccepted => "provider_accepted",
+        ResultRecorded => "result_recorded",
+        Finished => "finished",
+    }
+);
+
+word_set!(
+    /// The error classes of DESIGN.md section 6.
+    ErrorClass, "error class" {
+        NotSent => "not_sent",
+        Throttled => "throttled",
+        Rejected => "rejected",
+        NotAuthorised => "not_authorised",
+        ProviderFailed => "provider_failed",
+        Ambiguous => "ambiguous",
+        Busy => "busy",
+        ResultMismatch => "result_mismatch",
+    }
+);
+
+word_set!(
+    /// Why an attempt gave its grant back without spending anything.
+    ReleaseReason, "release reason" {
+        Busy => "busy",
+        Cancelled => "cancelled",
+        ShutdownBeforeIntent => "shutdown_before_intent",
+        AwaitingSignal => "awaiting_signal",
+    }
+);
+
+word_set!(
+    /// The reconciler's decisions.
+    RecoveryDecision, "recovery decision" {
+        RetrySafe => "retry_safe",
+        Recovered => "recovered",
+        OutcomeUnknown => "outcome_unknown",
+        ReissueGrant => "reissue_grant",
+        NeedsHuman => "needs_human",
+    }
+);
+
+word_set!(
+    /// What a person may decide about an `outcome_unknown` case.
+    ResolutionAction, "resolution action" {
+        RetryAsNew => "retry_as_new",
+        AcceptFailed => "accept_failed",
+        AttachResult => "attach_result",
+    }
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_word_parses_back_to_itself() {
+        for state in TaskState::ALL {
+            assert_eq!(
+                state.as_str().parse::<TaskState>().expect("round trip"),
+                *state
+            );
+        }
+        for class in ErrorClass::ALL {
+            assert_eq!(
+                class.as_str().parse::<ErrorClass>().expect("round trip"),
+                *class
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_word_names_what_was_expected() {
+        let err = "urgent".parse::<Priority>().expect_err("not a priority");
+        assert_eq!(
+            err.to_string(),
+            "`urgent` is not a known priority; expected one of: high, normal, low"
+        );
+    }
+}

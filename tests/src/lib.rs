@@ -1,1 +1,224 @@
-//! placeholder
+//! Test harness: a fresh database and fresh topics per test on the real Postgres
+//! and broker that `deploy/local/stack test` starts, a probe projection for the
+//! bus, and helpers to read and write topics as an outsider would.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_config::{ConsumerConfig, KafkaConfig, OutboxConfig, PostgresConfig, Properties};
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
+use fenceline_events::{Event, TaskStatus, Timestamp};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sqlx::{Connection, PgConnection};
+
+pub mod process;
+
+/// Partitions of every test topic.
+pub const PARTITIONS: i32 = 3;
+
+/// The probe's projection and the bus tables.
+pub static PROBE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: run the tests through `deploy/local/stack test`"))
+}
+
+/// The Postgres server of the test stack.
+pub fn admin_database_url() -> String {
+    env("FENCELINE_TEST_DATABASE_URL")
+}
+
+/// The broker of the test stack.
+pub fn brokers() -> String {
+    env("FENCELINE_TEST_KAFKA_BROKERS")
+}
+
+/// A database of its own for one test; returns its URL.
+pub async fn fresh_database() -> String {
+    let admin = admin_database_url();
+    let mut conn = PgConnection::connect(&admin).await.expect("connect to the test Postgres");
+    let name = format!("t_{}", uuid::Uuid::now_v7().simple());
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create database");
+    let (base, _) = admin.rsplit_once('/').expect("database URL has a path");
+    format!("{base}/{name}")
+}
+
+/// Postgres settings for a service schema in `url`.
+pub fn postgres(url: &str, schema: &str) -> PostgresConfig {
+    PostgresConfig { database_url: url.to_owned(), schema: Some(schema.to_owned()), max_connections: 8 }
+}
+
+/// Kafka settings for tests: a topic prefix of the test's own, short group timeouts.
+pub fn kafka(prefix: &str) -> KafkaConfig {
+    KafkaConfig {
+        brokers: brokers(),
+        topic_prefix: prefix.to_owned(),
+        properties: Properties::default(),
+        session_timeout_ms: 6_000,
+        max_poll_interval_ms: 20_000,
+        message_timeout_ms: 60_000,
+    }
+}
+
+pub fn consumer_config() -> ConsumerConfig {
+    ConsumerConfig { batch_max: 500, batch_wait_ms: 20 }
+}
+
+pub fn outbox_config() -> OutboxConfig {
+    OutboxConfig { shards: 4, batch_max: 500, idle_poll_ms: 100 }
+}
+
+/// A fresh topic prefix with every Fenceline topic created under it.
+pub async fn fresh_topics() -> String {
+    let prefix = format!("t{}.", uuid::Uuid::now_v7().simple());
+    let kafka = kafka(&prefix);
+    fenceline_bus::admin::ensure_topics(&kafka, &fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS), 1)
+        .await
+        .expect("create test topics");
+    prefix
+}
+
+/// The probe's projection: counts how often each event was applied.
+#[derive(Debug, Clone, Default)]
+pub struct ProbeHandler;
+
+impl Handler for ProbeHandler {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let Event::TaskStatus(status) = &record.envelope.event else {
+            return Err(HandleError::Poison(format!(
+                "the probe does not apply {}",
+                record.envelope.event.event_type()
+            )));
+        };
+        sqlx::query(
+            "INSERT INTO probe_applied (event_id, task_id, version) VALUES ($1, $2, $3) \
+             ON CONFLICT (event_id) DO UPDATE SET applications = probe_applied.applications + 1",
+        )
+        .bind(record.envelope.headers.event_id.as_uuid())
+        .bind(status.task_id.as_uuid())
+        .bind(status.version)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// A status event for `task` with `version`, the probe's unit of work.
+pub fn status_event(task: TaskId, version: i64) -> Event {
+    Event::TaskStatus(TaskStatus {
+        task_id: task,
+        tenant: "probe".into(),
+        kind: "probe.kind".into(),
+        state: TaskState::Running,
+        reason: None,
+        attempt: 1,
+        step: None,
+        phase: None,
+        next_attempt_at: None,
+        result: None,
+        case_id: None,
+        updated_at: Timestamp::now(),
+        version,
+    })
+}
+
+/// Writes `events` into the outbox of `pool`'s schema, one transaction each
+/// `chunk` events, as a service would.
+pub async fn write_outbox(pool: &sqlx::PgPool, writer: &OutboxWriter, topic: &str, events: &[Event], chunk: usize) {
+    for part in events.chunks(chunk.max(1)) {
+        let mut tx = pool.begin().await.expect("begin");
+        for event in part {
+            writer.append(&mut tx, topic, None, event).await.expect("append");
+        }
+        tx.commit().await.expect("commit");
+    }
+    writer.committed();
+}
+
+/// (applied events, events applied more than once) in the probe projection.
+pub async fn probe_counts(pool: &sqlx::PgPool) -> (i64, i64) {
+    sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE applications > 1) FROM probe_applied")
+        .fetch_one(pool)
+        .await
+        .expect("count probe rows")
+}
+
+/// Polls `probe_counts` until `expected` events are applied or `timeout` passes.
+pub async fn wait_applied(pool: &sqlx::PgPool, expected: i64, timeout: Duration) -> (i64, i64) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let counts = probe_counts(pool).await;
+        if counts.0 >= expected || tokio::time::Instant::now() > deadline {
+            return counts;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Reads `topic` from the beginning of every partition until `expected` records
+/// arrived or `timeout` passed, as an outside reader (no group) would.
+pub fn read_topic(brokers: &str, topic: &str, expected: usize, timeout: Duration) -> Vec<OwnedMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("reader-{}", uuid::Uuid::now_v7().simple()))
+        .set("enable.auto.commit", "false")
+        .set("broker.address.family", "v4")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for partition in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, partition, Offset::Beginning).expect("partition");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let deadline = std::time::Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < expected && std::time::Instant::now() < deadline {
+        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
+            out.push(message.detach());
+        }
+    }
+    out
+}
+
+/// Produces raw bytes to a topic, as a misbehaving upstream would.
+pub async fn produce_raw(brokers: &str, topic: &str, key: &[u8], value: &[u8], headers: &[(&str, &str)]) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("broker.address.family", "v4")
+        .create()
+        .expect("producer");
+    let headers = headers
+        .iter()
+        .fold(OwnedHeaders::new(), |acc, (k, v)| acc.insert(Header { key: k, value: Some(v.as_bytes()) }));
+    producer
+        .send(FutureRecord::to(topic).key(key).payload(value).headers(headers), Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produce");
+}
+
+/// The `event_id` header of a record.
+pub fn event_id_of(message: &OwnedMessage) -> Option<String> {
+    use rdkafka::message::Headers;
+    let headers = message.headers()?;
+    headers.iter().find(|h| h.key == "event_id").and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned()))
+}
+
+/// Records per key, in topic order, by a field of the decoded status event.
+pub fn versions_by_task(messages: &[OwnedMessage]) -> HashMap<TaskId, Vec<i64>> {
+    let mut out: HashMap<TaskId, Vec<i64>> = HashMap::new();
+    let mut sorted: Vec<&OwnedMessage> = messages.iter().collect();
+    sorted.sort_by_key(|m| (m.partition(), m.offset()));
+    for message in sorted {
+        if let Ok(Event::TaskStatus(status)) = fenceline_events::decode(message.payload().unwrap_or_default()) {
+            out.entry(status.task_id).or_default().push(status.version);
+        }
+    }
+    out
+}

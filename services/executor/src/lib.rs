@@ -1,1 +1,27 @@
-//! placeholder
+//! Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints.
+
+use fenceline_config::ServiceConfig;
+use fenceline_runtime::{Error, ServiceApp};
+
+/// The service's name: its log field, its database schema, its outbox producer.
+pub const NAME: &str = "executor";
+
+/// The executor's tables, after the bus tables.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Configuration, from environment variables or flags (`--help` lists them).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "fenceline-executor",
+    about = "Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints."
+)]
+pub struct Config {
+    #[command(flatten)]
+    pub service: ServiceConfig,
+}
+
+/// Builds the executor: connects and migrates its schema, starts its outbox relay and
+/// binds its HTTP listener. Tests start exactly what the binary runs.
+pub async fn build(config: Config) -> Result<ServiceApp, Error> {
+    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| {}).await
+}

@@ -1,1 +1,27 @@
-//! placeholder
+//! Intake: the front door. Idempotent submission over HTTP, signed webhooks and the upstream intake topic; the `task_view` read model.
+
+use fenceline_config::ServiceConfig;
+use fenceline_runtime::{Error, ServiceApp};
+
+/// The service's name: its log field, its database schema, its outbox producer.
+pub const NAME: &str = "intake";
+
+/// The intake's tables, after the bus tables.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Configuration, from environment variables or flags (`--help` lists them).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "fenceline-intake",
+    about = "Intake: the front door. Idempotent submission over HTTP, signed webhooks and the upstream intake topic; the `task_view` read model."
+)]
+pub struct Config {
+    #[command(flatten)]
+    pub service: ServiceConfig,
+}
+
+/// Builds the intake: connects and migrates its schema, starts its outbox relay and
+/// binds its HTTP listener. Tests start exactly what the binary runs.
+pub async fn build(config: Config) -> Result<ServiceApp, Error> {
+    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| {}).await
+}

@@ -25,11 +25,7 @@ pub struct PostgresConfig {
     pub schema: Option<String>,
 
     /// Largest number of pooled connections.
-    #[arg(
-        long = "database-max-connections",
-        env = "FENCELINE_DATABASE_MAX_CONNECTIONS",
-        default_value_t = 10
-    )]
+    #[arg(long = "database-max-connections", env = "FENCELINE_DATABASE_MAX_CONNECTIONS", default_value_t = 10)]
     pub max_connections: u32,
 }
 
@@ -37,20 +33,12 @@ pub struct PostgresConfig {
 #[derive(Debug, Clone, Args)]
 pub struct KafkaConfig {
     /// Bootstrap brokers, comma separated.
-    #[arg(
-        long = "kafka-brokers",
-        env = "FENCELINE_KAFKA_BROKERS",
-        default_value = "127.0.0.1:9092"
-    )]
+    #[arg(long = "kafka-brokers", env = "FENCELINE_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,
 
     /// Prefix put before every topic name (empty in production; tests isolate
     /// themselves with it).
-    #[arg(
-        long = "topic-prefix",
-        env = "FENCELINE_TOPIC_PREFIX",
-        default_value = ""
-    )]
+    #[arg(long = "topic-prefix", env = "FENCELINE_TOPIC_PREFIX", default_value = "")]
     pub topic_prefix: String,
 
     /// Extra librdkafka properties as `key=value` pairs separated by commas, for
@@ -59,29 +47,17 @@ pub struct KafkaConfig {
     pub properties: Properties,
 
     /// Consumer group session timeout, in milliseconds.
-    #[arg(
-        long = "kafka-session-timeout-ms",
-        env = "FENCELINE_KAFKA_SESSION_TIMEOUT_MS",
-        default_value_t = 10_000
-    )]
+    #[arg(long = "kafka-session-timeout-ms", env = "FENCELINE_KAFKA_SESSION_TIMEOUT_MS", default_value_t = 10_000)]
     pub session_timeout_ms: u64,
 
     /// Longest time between two polls before the consumer leaves its group, in
     /// milliseconds. Handling never blocks polling, so this only bounds a stall.
-    #[arg(
-        long = "kafka-max-poll-interval-ms",
-        env = "FENCELINE_KAFKA_MAX_POLL_INTERVAL_MS",
-        default_value_t = 20_000
-    )]
+    #[arg(long = "kafka-max-poll-interval-ms", env = "FENCELINE_KAFKA_MAX_POLL_INTERVAL_MS", default_value_t = 20_000)]
     pub max_poll_interval_ms: u64,
 
     /// How long the producer keeps trying to deliver one record, in milliseconds.
     /// The outbox re-sends anything not confirmed, so this bounds only one try.
-    #[arg(
-        long = "kafka-message-timeout-ms",
-        env = "FENCELINE_KAFKA_MESSAGE_TIMEOUT_MS",
-        default_value_t = 60_000
-    )]
+    #[arg(long = "kafka-message-timeout-ms", env = "FENCELINE_KAFKA_MESSAGE_TIMEOUT_MS", default_value_t = 60_000)]
     pub message_timeout_ms: u64,
 }
 
@@ -92,9 +68,7 @@ pub struct Properties(pub Vec<(String, String)>);
 fn parse_properties(raw: &str) -> Result<Properties, String> {
     let mut pairs = Vec::new();
     for item in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (key, value) = item
-            .split_once('=')
-            .ok_or_else(|| format!("`{item}` is not of the form key=value"))?;
+        let (key, value) = item.split_once('=').ok_or_else(|| format!("`{item}` is not of the form key=value"))?;
         pairs.push((key.trim().to_owned(), value.trim().to_owned()));
     }
     Ok(Properties(pairs))
@@ -104,19 +78,11 @@ fn parse_properties(raw: &str) -> Result<Properties, String> {
 #[derive(Debug, Clone, Args)]
 pub struct ConsumerConfig {
     /// Most records handled in one database transaction.
-    #[arg(
-        long = "consumer-batch-max",
-        env = "FENCELINE_CONSUMER_BATCH_MAX",
-        default_value_t = 500
-    )]
+    #[arg(long = "consumer-batch-max", env = "FENCELINE_CONSUMER_BATCH_MAX", default_value_t = 500)]
     pub batch_max: usize,
 
     /// Longest wait for a batch to fill once its first record arrived, in milliseconds.
-    #[arg(
-        long = "consumer-batch-wait-ms",
-        env = "FENCELINE_CONSUMER_BATCH_WAIT_MS",
-        default_value_t = 20
-    )]
+    #[arg(long = "consumer-batch-wait-ms", env = "FENCELINE_CONSUMER_BATCH_WAIT_MS", default_value_t = 20)]
     pub batch_wait_ms: u64,
 }
 
@@ -132,28 +98,16 @@ pub struct OutboxConfig {
     /// Number of shards the outbox is split into by key hash. One relay instance
     /// holds a shard at a time. Changing it while rows are unpublished is safe
     /// only with every relay stopped.
-    #[arg(
-        long = "outbox-shards",
-        env = "FENCELINE_OUTBOX_SHARDS",
-        default_value_t = 8
-    )]
+    #[arg(long = "outbox-shards", env = "FENCELINE_OUTBOX_SHARDS", default_value_t = 8)]
     pub shards: u16,
 
     /// Most rows published per shard per round.
-    #[arg(
-        long = "outbox-batch-max",
-        env = "FENCELINE_OUTBOX_BATCH_MAX",
-        default_value_t = 500
-    )]
+    #[arg(long = "outbox-batch-max", env = "FENCELINE_OUTBOX_BATCH_MAX", default_value_t = 500)]
     pub batch_max: u32,
 
     /// Longest sleep between rounds when nothing new was written, in milliseconds.
     /// Writers in the same process wake the relay at once.
-    #[arg(
-        long = "outbox-idle-poll-ms",
-        env = "FENCELINE_OUTBOX_IDLE_POLL_MS",
-        default_value_t = 500
-    )]
+    #[arg(long = "outbox-idle-poll-ms", env = "FENCELINE_OUTBOX_IDLE_POLL_MS", default_value_t = 500)]
     pub idle_poll_ms: u64,
 }
 
@@ -161,20 +115,12 @@ pub struct OutboxConfig {
 #[derive(Debug, Clone, Args)]
 pub struct HttpConfig {
     /// Address to listen on; port 0 picks a free port.
-    #[arg(
-        long = "http-addr",
-        env = "FENCELINE_HTTP_ADDR",
-        default_value = "127.0.0.1:0"
-    )]
+    #[arg(long = "http-addr", env = "FENCELINE_HTTP_ADDR", default_value = "127.0.0.1:0")]
     pub addr: SocketAddr,
 
     /// Time allowed for in-flight work to finish on shutdown, in milliseconds. Must
     /// be shorter than the Kafka session timeout.
-    #[arg(
-        long = "shutdown-grace-ms",
-        env = "FENCELINE_SHUTDOWN_GRACE_MS",
-        default_value_t = 8_000
-    )]
+    #[arg(long = "shutdown-grace-ms", env = "FENCELINE_SHUTDOWN_GRACE_MS", default_value_t = 8_000)]
     pub shutdown_grace_ms: u64,
 }
 
@@ -185,18 +131,11 @@ impl HttpConfig {
 }
 
 /// Checks that an inner timeout is strictly shorter than the one that encloses it.
-pub fn require_nested(
-    inner_name: &str,
-    inner: Duration,
-    outer_name: &str,
-    outer: Duration,
-) -> Result<(), Error> {
+pub fn require_nested(inner_name: &str, inner: Duration, outer_name: &str, outer: Duration) -> Result<(), Error> {
     if inner < outer {
         Ok(())
     } else {
-        Err(Error(format!(
-            "{inner_name} ({inner:?}) must be shorter than {outer_name} ({outer:?})"
-        )))
+        Err(Error(format!("{inner_name} ({inner:?}) must be shorter than {outer_name} ({outer:?})")))
     }
 }
 
@@ -208,10 +147,7 @@ mod tests {
     fn properties_parse_pairs_and_reject_garbage() {
         assert_eq!(parse_properties("").expect("empty"), Properties::default());
         let parsed = parse_properties("a=1, b = two ,").expect("two pairs");
-        assert_eq!(
-            parsed.0,
-            vec![("a".into(), "1".into()), ("b".into(), "two".into())]
-        );
+        assert_eq!(parsed.0, vec![("a".into(), "1".into()), ("b".into(), "two".into())]);
         assert!(parse_properties("novalue").is_err());
     }
 
@@ -220,9 +156,35 @@ mod tests {
         let s = Duration::from_secs;
         assert!(require_nested("call", s(1), "step", s(2)).is_ok());
         let err = require_nested("call", s(2), "step", s(2)).expect_err("equal is not shorter");
-        assert!(
-            err.to_string()
-                .contains("call (2s) must be shorter than step (2s)")
-        );
+        assert!(err.to_string().contains("call (2s) must be shorter than step (2s)"));
+    }
+}
+
+/// Everything a Kafka-and-Postgres service shares, to `#[command(flatten)]` into
+/// its own configuration.
+#[derive(Debug, Clone, Args)]
+pub struct ServiceConfig {
+    #[command(flatten)]
+    pub postgres: PostgresConfig,
+    #[command(flatten)]
+    pub kafka: KafkaConfig,
+    #[command(flatten)]
+    pub consumer: ConsumerConfig,
+    #[command(flatten)]
+    pub outbox: OutboxConfig,
+    #[command(flatten)]
+    pub http: HttpConfig,
+}
+
+impl ServiceConfig {
+    /// Checks what single values cannot: the shutdown grace must end before the
+    /// consumer group gives the partitions away.
+    pub fn validate(&self) -> Result<(), Error> {
+        require_nested(
+            "shutdown grace (FENCELINE_SHUTDOWN_GRACE_MS)",
+            self.http.shutdown_grace(),
+            "Kafka session timeout (FENCELINE_KAFKA_SESSION_TIMEOUT_MS)",
+            Duration::from_millis(self.kafka.session_timeout_ms),
+        )
     }
 }

@@ -35,11 +35,7 @@ mod tests {
         assert_eq!(shard_for_key(b"0190f6c8-0000-7000-8000-000000000001", 8), 1);
         assert_eq!(shard_for_key(b"tenant-a", 16), 1);
         assert_eq!(shard_for_key(b"anything", 1), 0);
-        assert_eq!(
-            shard_for_key(b"anything", 0),
-            0,
-            "zero shards is read as one"
-        );
+        assert_eq!(shard_for_key(b"anything", 0), 0, "zero shards is read as one");
     }
 
     #[test]

@@ -19,11 +19,7 @@ pub enum BatchPlan {
     Fenced { mine: i64, current: i64 },
     /// Apply the records at these positions of the batch (in order), skip the rest
     /// as redelivered, and store `next_offset` as the new progress.
-    Apply {
-        apply: Vec<usize>,
-        redelivered: usize,
-        next_offset: i64,
-    },
+    Apply { apply: Vec<usize>, redelivered: usize, next_offset: i64 },
 }
 
 /// Decides what a batch may change. `offsets` are the batch's record offsets of one
@@ -34,10 +30,7 @@ pub enum BatchPlan {
 /// the holder of the partition's current epoch.
 pub fn plan_batch(stored: StoredProgress, my_epoch: i64, offsets: &[i64]) -> BatchPlan {
     if stored.epoch != my_epoch {
-        return BatchPlan::Fenced {
-            mine: my_epoch,
-            current: stored.epoch,
-        };
+        return BatchPlan::Fenced { mine: my_epoch, current: stored.epoch };
     }
     let mut next_offset = stored.next_offset;
     let mut apply = Vec::with_capacity(offsets.len());
@@ -50,11 +43,7 @@ pub fn plan_batch(stored: StoredProgress, my_epoch: i64, offsets: &[i64]) -> Bat
             redelivered += 1;
         }
     }
-    BatchPlan::Apply {
-        apply,
-        redelivered,
-        next_offset,
-    }
+    BatchPlan::Apply { apply, redelivered, next_offset }
 }
 
 /// Where a consumer that was just assigned a partition starts reading.
@@ -87,24 +76,14 @@ mod tests {
 
     #[test]
     fn a_stale_epoch_is_fenced_and_applies_nothing() {
-        assert_eq!(
-            plan_batch(stored(3, 10), 2, &[10, 11]),
-            BatchPlan::Fenced {
-                mine: 2,
-                current: 3
-            }
-        );
+        assert_eq!(plan_batch(stored(3, 10), 2, &[10, 11]), BatchPlan::Fenced { mine: 2, current: 3 });
     }
 
     #[test]
     fn redelivered_records_are_skipped() {
         assert_eq!(
             plan_batch(stored(1, 10), 1, &[8, 9, 10, 11]),
-            BatchPlan::Apply {
-                apply: vec![2, 3],
-                redelivered: 2,
-                next_offset: 12
-            }
+            BatchPlan::Apply { apply: vec![2, 3], redelivered: 2, next_offset: 12 }
         );
     }
 
@@ -112,11 +91,7 @@ mod tests {
     fn an_all_redelivered_batch_keeps_progress() {
         assert_eq!(
             plan_batch(stored(1, 10), 1, &[7, 8]),
-            BatchPlan::Apply {
-                apply: vec![],
-                redelivered: 2,
-                next_offset: 10
-            }
+            BatchPlan::Apply { apply: vec![], redelivered: 2, next_offset: 10 }
         );
     }
 
@@ -124,11 +99,7 @@ mod tests {
     fn a_gap_in_offsets_is_applied_since_compaction_leaves_gaps() {
         assert_eq!(
             plan_batch(stored(1, 10), 1, &[10, 15]),
-            BatchPlan::Apply {
-                apply: vec![0, 1],
-                redelivered: 0,
-                next_offset: 16
-            }
+            BatchPlan::Apply { apply: vec![0, 1], redelivered: 0, next_offset: 16 }
         );
     }
 

@@ -142,25 +142,16 @@ mod tests {
     #[test]
     fn every_word_parses_back_to_itself() {
         for state in TaskState::ALL {
-            assert_eq!(
-                state.as_str().parse::<TaskState>().expect("round trip"),
-                *state
-            );
+            assert_eq!(state.as_str().parse::<TaskState>().expect("round trip"), *state);
         }
         for class in ErrorClass::ALL {
-            assert_eq!(
-                class.as_str().parse::<ErrorClass>().expect("round trip"),
-                *class
-            );
+            assert_eq!(class.as_str().parse::<ErrorClass>().expect("round trip"), *class);
         }
     }
 
     #[test]
     fn an_unknown_word_names_what_was_expected() {
         let err = "urgent".parse::<Priority>().expect_err("not a priority");
-        assert_eq!(
-            err.to_string(),
-            "`urgent` is not a known priority; expected one of: high, normal, low"
-        );
+        assert_eq!(err.to_string(), "`urgent` is not a known priority; expected one of: high, normal, low");
     }
 }

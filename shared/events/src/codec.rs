@@ -40,15 +40,9 @@ pub enum DecodeError {
     #[error("unknown schema fingerprint {0}")]
     UnknownSchema(String),
     #[error("value does not match its writer schema {event_type}: {reason}")]
-    Malformed {
-        event_type: &'static str,
-        reason: String,
-    },
+    Malformed { event_type: &'static str, reason: String },
     #[error("header says {header} but the value is a {payload}")]
-    TypeMismatch {
-        header: String,
-        payload: &'static str,
-    },
+    TypeMismatch { header: String, payload: &'static str },
     #[error(transparent)]
     Header(#[from] crate::HeaderError),
 }
@@ -77,8 +71,7 @@ fn fingerprint(schema: &Schema) -> [u8; 8] {
 fn parse(event_type: &str, label: &str, json: &str) -> Schema {
     // The schemas are compiled in; one that does not parse is a build defect that
     // the events tests catch before anything ships.
-    Schema::parse_str(json)
-        .unwrap_or_else(|e| panic!("schema {event_type} ({label}) does not parse: {e}"))
+    Schema::parse_str(json).unwrap_or_else(|e| panic!("schema {event_type} ({label}) does not parse: {e}"))
 }
 
 impl SchemaRegistry {
@@ -93,21 +86,14 @@ impl SchemaRegistry {
         }
         for &(event_type, label, json) in files::HISTORY {
             let schema = parse(event_type, label, json);
-            by_fingerprint
-                .entry(fingerprint(&schema))
-                .or_insert(KnownSchema { event_type, schema });
+            by_fingerprint.entry(fingerprint(&schema)).or_insert(KnownSchema { event_type, schema });
         }
-        Self {
-            by_fingerprint,
-            current,
-        }
+        Self { by_fingerprint, current }
     }
 
     /// The current schema of an event type and its fingerprint.
     pub fn current(&self, event_type: &str) -> Option<(&Schema, [u8; 8])> {
-        self.current
-            .get(event_type)
-            .map(|(schema, fp)| (schema, *fp))
+        self.current.get(event_type).map(|(schema, fp)| (schema, *fp))
     }
 
     /// Earlier schemas of an event type, with their labels, oldest first.
@@ -138,17 +124,9 @@ pub fn registry() -> &'static SchemaRegistry {
 /// bytes and the schema fingerprint (for the `schema_fingerprint` header).
 pub fn encode(event: &Event) -> Result<(Vec<u8>, [u8; 8]), EncodeError> {
     let event_type = event.event_type();
-    let (schema, fp) = registry()
-        .current(event_type)
-        .ok_or(EncodeError::NoSchema(event_type))?;
-    let avro = |source: apache_avro::Error| EncodeError::Avro {
-        event_type,
-        source: Box::new(source),
-    };
-    let value = to_avro_value(event)
-        .map_err(avro)?
-        .resolve(schema)
-        .map_err(avro)?;
+    let (schema, fp) = registry().current(event_type).ok_or(EncodeError::NoSchema(event_type))?;
+    let avro = |source: apache_avro::Error| EncodeError::Avro { event_type, source: Box::new(source) };
+    let value = to_avro_value(event).map_err(avro)?.resolve(schema).map_err(avro)?;
     let datum = to_avro_datum(schema, value).map_err(avro)?;
     let mut out = Vec::with_capacity(PREFIX_LEN + datum.len());
     out.extend_from_slice(&MARKER);
@@ -161,32 +139,22 @@ pub fn encode(event: &Event) -> Result<(Vec<u8>, [u8; 8]), EncodeError> {
 /// the current schema of its type.
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < PREFIX_LEN {
-        return Err(DecodeError::NotSingleObject(
-            "shorter than the 10-byte prefix",
-        ));
+        return Err(DecodeError::NotSingleObject("shorter than the 10-byte prefix"));
     }
     if bytes[..2] != MARKER {
         return Err(DecodeError::NotSingleObject("missing the C3 01 marker"));
     }
     let mut fp = [0u8; 8];
     fp.copy_from_slice(&bytes[2..PREFIX_LEN]);
-    let writer = registry()
-        .by_fingerprint
-        .get(&fp)
-        .ok_or_else(|| DecodeError::UnknownSchema(hex::encode(fp)))?;
+    let writer = registry().by_fingerprint.get(&fp).ok_or_else(|| DecodeError::UnknownSchema(hex::encode(fp)))?;
     let event_type = writer.event_type;
     let malformed = |reason: String| DecodeError::Malformed { event_type, reason };
-    let (reader, _) = registry()
-        .current(event_type)
-        .ok_or_else(|| malformed("no current schema for this type".into()))?;
+    let (reader, _) =
+        registry().current(event_type).ok_or_else(|| malformed("no current schema for this type".into()))?;
     let mut datum = &bytes[PREFIX_LEN..];
-    let value = from_avro_datum(&writer.schema, &mut datum, Some(reader))
-        .map_err(|e| malformed(e.to_string()))?;
+    let value = from_avro_datum(&writer.schema, &mut datum, Some(reader)).map_err(|e| malformed(e.to_string()))?;
     if !datum.is_empty() {
-        return Err(malformed(format!(
-            "{} bytes left after the datum",
-            datum.len()
-        )));
+        return Err(malformed(format!("{} bytes left after the datum", datum.len())));
     }
     from_avro_value(event_type, &value)
         .ok_or_else(|| malformed("no Rust type for this event type".into()))?
@@ -202,10 +170,7 @@ impl Envelope {
         let headers = Headers::from_pairs(headers)?;
         let event = decode(value)?;
         if headers.event_type != event.event_type() {
-            return Err(DecodeError::TypeMismatch {
-                header: headers.event_type,
-                payload: event.event_type(),
-            });
+            return Err(DecodeError::TypeMismatch { header: headers.event_type, payload: event.event_type() });
         }
         Ok(Self { headers, event })
     }

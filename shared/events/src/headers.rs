@@ -54,47 +54,32 @@ impl Headers {
     }
 
     /// Parses Kafka header pairs; unknown headers are ignored.
-    pub fn from_pairs<'a>(
-        pairs: impl IntoIterator<Item = (&'a str, Option<&'a [u8]>)>,
-    ) -> Result<Self, HeaderError> {
+    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, Option<&'a [u8]>)>) -> Result<Self, HeaderError> {
         use header_names::*;
-        let (
-            mut event_id,
-            mut event_type,
-            mut fingerprint,
-            mut producer,
-            mut produced_at,
-            mut traceparent,
-        ) = (None, None, None, None, None, None);
+        let (mut event_id, mut event_type, mut fingerprint, mut producer, mut produced_at, mut traceparent) =
+            (None, None, None, None, None, None);
         for (name, value) in pairs {
             let text = |n: &'static str| -> Result<String, HeaderError> {
-                let bytes = value.ok_or(HeaderError::Invalid {
-                    name: n,
-                    reason: "null".into(),
-                })?;
-                String::from_utf8(bytes.to_vec()).map_err(|_| HeaderError::Invalid {
-                    name: n,
-                    reason: "not UTF-8".into(),
-                })
+                let bytes = value.ok_or(HeaderError::Invalid { name: n, reason: "null".into() })?;
+                String::from_utf8(bytes.to_vec())
+                    .map_err(|_| HeaderError::Invalid { name: n, reason: "not UTF-8".into() })
             };
             match name {
                 EVENT_ID => {
                     let raw = text(EVENT_ID)?;
-                    event_id = Some(raw.parse::<EventId>().map_err(|e| HeaderError::Invalid {
-                        name: EVENT_ID,
-                        reason: e.to_string(),
-                    })?);
+                    event_id = Some(
+                        raw.parse::<EventId>()
+                            .map_err(|e| HeaderError::Invalid { name: EVENT_ID, reason: e.to_string() })?,
+                    );
                 }
                 EVENT_TYPE => event_type = Some(text(EVENT_TYPE)?),
                 SCHEMA_FINGERPRINT => fingerprint = Some(text(SCHEMA_FINGERPRINT)?),
                 PRODUCER => producer = Some(text(PRODUCER)?),
                 PRODUCED_AT => {
                     let raw = text(PRODUCED_AT)?;
-                    produced_at = Some(Timestamp(raw.parse().map_err(|_| {
-                        HeaderError::Invalid {
-                            name: PRODUCED_AT,
-                            reason: format!("`{raw}` is not microseconds since the epoch"),
-                        }
+                    produced_at = Some(Timestamp(raw.parse().map_err(|_| HeaderError::Invalid {
+                        name: PRODUCED_AT,
+                        reason: format!("`{raw}` is not microseconds since the epoch"),
                     })?));
                 }
                 TRACEPARENT => traceparent = Some(text(TRACEPARENT)?),

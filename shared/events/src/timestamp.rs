@@ -16,15 +16,12 @@ impl Timestamp {
 
     pub fn to_datetime(self) -> OffsetDateTime {
         // Out of range only for instants beyond year 9999; clamp rather than fail.
-        OffsetDateTime::from_unix_timestamp_nanos(i128::from(self.0) * 1_000)
-            .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+        OffsetDateTime::from_unix_timestamp_nanos(i128::from(self.0) * 1_000).unwrap_or(OffsetDateTime::UNIX_EPOCH)
     }
 
     /// RFC 3339 text, as in headers and logs.
     pub fn to_rfc3339(self) -> String {
-        self.to_datetime()
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_else(|_| self.0.to_string())
+        self.to_datetime().format(&time::format_description::well_known::Rfc3339).unwrap_or_else(|_| self.0.to_string())
     }
 }
 

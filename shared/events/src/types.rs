@@ -59,10 +59,7 @@ impl<'de> Deserialize<'de> for Bytes {
             fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
                 Ok(Bytes(v))
             }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Bytes, A::Error> {
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
                 let mut out = Vec::new();
                 while let Some(byte) = seq.next_element::<u8>()? {
                     out.push(byte);

@@ -28,10 +28,7 @@ fn artifact() -> ArtifactRef {
     }
 }
 fn labels() -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("campaign".into(), "spring".into()),
-        ("shop".into(), "42".into()),
-    ])
+    BTreeMap::from([("campaign".into(), "spring".into()), ("shop".into(), "42".into())])
 }
 
 /// One fixed record of every event type. Do not change: the golden files pin them.
@@ -114,12 +111,7 @@ fn samples() -> Vec<Event> {
             granted_at: at(12),
         }
         .into(),
-        CancelAttempt {
-            task_id: task(),
-            grant_id: grant(),
-            requested_at: at(13),
-        }
-        .into(),
+        CancelAttempt { task_id: task(), grant_id: grant(), requested_at: at(13) }.into(),
         AttemptClaimed {
             grant_id: grant(),
             task_id: task(),
@@ -164,14 +156,8 @@ fn samples() -> Vec<Event> {
             since: at(18),
         }
         .into(),
-        AttemptSucceeded {
-            task_id: task(),
-            attempt: 2,
-            grant_id: grant(),
-            result: artifact(),
-            finished_at: at(19),
-        }
-        .into(),
+        AttemptSucceeded { task_id: task(), attempt: 2, grant_id: grant(), result: artifact(), finished_at: at(19) }
+            .into(),
         AttemptFailed {
             task_id: task(),
             attempt: 2,
@@ -241,10 +227,7 @@ fn samples() -> Vec<Event> {
             reason: "value is not Avro single-object encoded: missing the C3 01 marker".into(),
             original_key: Some(Bytes(b"k".to_vec())),
             original_value: Some(Bytes(b"garbage".to_vec())),
-            original_headers: vec![OriginalHeader {
-                name: "event_id".into(),
-                value: None,
-            }],
+            original_headers: vec![OriginalHeader { name: "event_id".into(), value: None }],
             dead_lettered_at: at(64),
         }
         .into(),
@@ -262,11 +245,7 @@ fn every_event_type_has_a_schema_and_a_sample() {
     let mut declared = EVENT_TYPES.to_vec();
     declared.sort_unstable();
     assert_eq!(sampled, declared, "one sample per event type");
-    assert_eq!(
-        registry().event_types(),
-        declared,
-        "one schema file per event type"
-    );
+    assert_eq!(registry().event_types(), declared, "one schema file per event type");
 }
 
 // Do not change: the golden files are the wire contract. A diff here means records
@@ -285,24 +264,10 @@ fn golden_bytes_are_pinned() {
             std::fs::write(&json_path, &json).expect("write golden json");
             continue;
         }
-        assert_eq!(
-            std::fs::read_to_string(&json_path).expect("read golden json"),
-            json
-        );
-        let golden =
-            std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-        assert_eq!(
-            bytes,
-            golden,
-            "{} encodes differently from its golden file",
-            event.event_type()
-        );
-        assert_eq!(
-            decode(&golden).expect("decode golden"),
-            event,
-            "{} golden decodes back",
-            event.event_type()
-        );
+        assert_eq!(std::fs::read_to_string(&json_path).expect("read golden json"), json);
+        let golden = std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        assert_eq!(bytes, golden, "{} encodes differently from its golden file", event.event_type());
+        assert_eq!(decode(&golden).expect("decode golden"), event, "{} golden decodes back", event.event_type());
     }
 }
 
@@ -319,8 +284,7 @@ fn every_sample_round_trips_with_headers() {
             traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
         };
         let pairs = headers.to_pairs();
-        let decoded = Envelope::decode(pairs.iter().map(|(k, v)| (*k, Some(v.as_bytes()))), &bytes)
-            .expect("decode");
+        let decoded = Envelope::decode(pairs.iter().map(|(k, v)| (*k, Some(v.as_bytes()))), &bytes).expect("decode");
         assert_eq!(decoded, Envelope { headers, event });
     }
 }
@@ -328,26 +292,14 @@ fn every_sample_round_trips_with_headers() {
 #[test]
 fn damaged_values_are_refused_with_a_reason() {
     let (bytes, _) = encode(&samples()[0]).expect("encode");
-    assert!(matches!(
-        decode(b"{\"json\":1}"),
-        Err(DecodeError::NotSingleObject(_))
-    ));
+    assert!(matches!(decode(b"{\"json\":1}"), Err(DecodeError::NotSingleObject(_))));
     let mut unknown = bytes.clone();
     unknown[2] ^= 0xff;
-    assert!(matches!(
-        decode(&unknown),
-        Err(DecodeError::UnknownSchema(_))
-    ));
-    assert!(matches!(
-        decode(&bytes[..bytes.len() - 3]),
-        Err(DecodeError::Malformed { .. })
-    ));
+    assert!(matches!(decode(&unknown), Err(DecodeError::UnknownSchema(_))));
+    assert!(matches!(decode(&bytes[..bytes.len() - 3]), Err(DecodeError::Malformed { .. })));
     let mut trailing = bytes.clone();
     trailing.push(0);
-    assert!(matches!(
-        decode(&trailing),
-        Err(DecodeError::Malformed { .. })
-    ));
+    assert!(matches!(decode(&trailing), Err(DecodeError::Malformed { .. })));
 }
 
 #[test]
@@ -362,8 +314,7 @@ fn headers_and_value_must_agree_on_the_type() {
         traceparent: None,
     };
     let pairs = headers.to_pairs();
-    let err = Envelope::decode(pairs.iter().map(|(k, v)| (*k, Some(v.as_bytes()))), &bytes)
-        .expect_err("mismatch");
+    let err = Envelope::decode(pairs.iter().map(|(k, v)| (*k, Some(v.as_bytes()))), &bytes).expect_err("mismatch");
     assert!(matches!(err, DecodeError::TypeMismatch { .. }), "{err}");
     let missing = Envelope::decode(std::iter::empty(), &bytes).expect_err("no headers");
     assert_eq!(missing.to_string(), "header event_id is missing");
@@ -388,10 +339,7 @@ fn every_schema_reads_what_its_previous_versions_wrote() {
         let (current, _) = registry().current(event_type).expect("current");
         for (label, old) in registry().history(event_type) {
             let compatibility = SchemaCompatibility::can_read(&old, current);
-            assert!(
-                compatibility.is_ok(),
-                "{event_type}: current cannot read {label}: {compatibility:?}"
-            );
+            assert!(compatibility.is_ok(), "{event_type}: current cannot read {label}: {compatibility:?}");
         }
     }
 }
@@ -401,32 +349,19 @@ fn every_schema_reads_what_its_previous_versions_wrote() {
 #[test]
 fn a_record_from_a_writer_without_a_new_optional_field_reads_with_its_default() {
     let (current, _) = registry().current("TaskStatus").expect("current");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&current.canonical_form()).expect("canonical JSON");
-    json["fields"]
-        .as_array_mut()
-        .expect("fields")
-        .retain(|f| f["name"] != "case_id");
+    let mut json: serde_json::Value = serde_json::from_str(&current.canonical_form()).expect("canonical JSON");
+    json["fields"].as_array_mut().expect("fields").retain(|f| f["name"] != "case_id");
     let older = apache_avro::Schema::parse_str(&json.to_string()).expect("older schema parses");
     assert!(SchemaCompatibility::can_read(&older, current).is_ok());
 
-    let status = samples()
-        .into_iter()
-        .find(|e| e.event_type() == "TaskStatus")
-        .expect("sample");
-    let Event::TaskStatus(mut with_case) = status else {
-        unreachable!("found by type")
-    };
+    let status = samples().into_iter().find(|e| e.event_type() == "TaskStatus").expect("sample");
+    let Event::TaskStatus(mut with_case) = status else { unreachable!("found by type") };
     with_case.case_id = Some("case-9".into());
     let bytes = written_by(&older, &Event::TaskStatus(with_case.clone()));
     let err = decode(&bytes).expect_err("a fingerprint that is not in schemas/history is refused");
     assert!(matches!(err, DecodeError::UnknownSchema(_)));
-    let value = apache_avro::from_avro_datum(&older, &mut &bytes[10..], Some(current))
-        .expect("resolve old to current");
+    let value = apache_avro::from_avro_datum(&older, &mut &bytes[10..], Some(current)).expect("resolve old to current");
     let read: TaskStatus = apache_avro::from_value(&value).expect("current type");
-    assert_eq!(
-        read.case_id, None,
-        "the default of the field the old writer lacked"
-    );
+    assert_eq!(read.case_id, None, "the default of the field the old writer lacked");
     assert_eq!(read.task_id, with_case.task_id);
 }

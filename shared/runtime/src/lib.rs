@@ -1,1 +1,251 @@
-//! placeholder
+//! What every service does the same way: connect to its schema and migrate it,
+//! run the outbox relay, answer `/healthz` and `/readyz`, and shut down in order
+//! (stop accepting, drain within the grace period, close the pool).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use actix_web::dev::{Server, ServerHandle};
+use actix_web::{App as ActixApp, HttpResponse, HttpServer, web};
+use fenceline_bus::{OutboxWriter, Relay, RelayStats};
+use fenceline_config::{HttpConfig, KafkaConfig, OutboxConfig, PostgresConfig};
+use fenceline_store::Database;
+use sqlx::migrate::Migrator;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Store(#[from] fenceline_store::Error),
+    #[error(transparent)]
+    Bus(#[from] fenceline_bus::Error),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Config(#[from] fenceline_config::Error),
+}
+
+/// Whether the service may be sent traffic. `/readyz` also checks the database.
+#[derive(Debug, Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Release);
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+#[derive(serde::Serialize)]
+struct Health<'a> {
+    service: &'a str,
+    status: &'a str,
+}
+
+/// The routes every service answers: `/healthz` (the process is alive) and
+/// `/readyz` (started, not shutting down, and its database answers).
+pub fn health_routes(
+    service: &'static str,
+    readiness: Readiness,
+    pool: Option<sqlx::PgPool>,
+) -> impl Fn(&mut web::ServiceConfig) + Send + Clone + 'static {
+    move |cfg: &mut web::ServiceConfig| {
+        cfg.app_data(web::Data::new((service, readiness.clone(), pool.clone())))
+            .route("/healthz", web::get().to(healthz))
+            .route("/readyz", web::get().to(readyz));
+    }
+}
+
+type HealthState = web::Data<(&'static str, Readiness, Option<sqlx::PgPool>)>;
+
+async fn healthz(state: HealthState) -> HttpResponse {
+    HttpResponse::Ok().json(Health { service: state.0, status: "alive" })
+}
+
+async fn readyz(state: HealthState) -> HttpResponse {
+    let database = match &state.2 {
+        Some(pool) => sqlx::query("SELECT 1").execute(pool).await.is_ok(),
+        None => true,
+    };
+    if state.1.get() && database {
+        HttpResponse::Ok().json(Health { service: state.0, status: "ready" })
+    } else {
+        HttpResponse::ServiceUnavailable().json(Health { service: state.0, status: "not ready" })
+    }
+}
+
+/// Everything a service shares with the others, running.
+#[derive(Debug)]
+pub struct Base {
+    pub name: &'static str,
+    pub database: Database,
+    pub outbox: OutboxWriter,
+    pub relay_stats: Arc<RelayStats>,
+    pub readiness: Readiness,
+    pub shutdown: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// The shared settings of a service.
+#[derive(Debug, Clone)]
+pub struct BaseConfig<'a> {
+    pub postgres: &'a PostgresConfig,
+    pub kafka: &'a KafkaConfig,
+    pub outbox: &'a OutboxConfig,
+}
+
+impl Base {
+    /// Connects and migrates the service's schema (bus tables, then `migrator`) and
+    /// starts the outbox relay.
+    pub async fn start(name: &'static str, config: BaseConfig<'_>, migrator: &Migrator) -> Result<Self, Error> {
+        let database = fenceline_store::connect(config.postgres, name, &[&fenceline_bus::MIGRATOR, migrator]).await?;
+        let outbox = OutboxWriter::new(name, config.kafka.topic_prefix.clone(), config.outbox.shards);
+        let shutdown = CancellationToken::new();
+        let relay = Relay::new(
+            format!("{name}-relay"),
+            database.pool.clone(),
+            database.options.clone(),
+            config.kafka,
+            config.outbox.clone(),
+            &outbox,
+        )?;
+        let relay_stats = relay.stats();
+        let tasks = vec![tokio::spawn(relay.run(shutdown.child_token()))];
+        Ok(Self { name, database, outbox, relay_stats, readiness: Readiness::default(), shutdown, tasks })
+    }
+
+    /// Adds a task that ends when the shutdown token is cancelled.
+    pub fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) {
+        self.tasks.push(tokio::spawn(task));
+    }
+
+    /// Stops in order: not ready, stop the HTTP server, cancel the background work
+    /// and wait for it within `grace`, close the pool.
+    pub async fn stop(self, http: ServerHandle, grace: std::time::Duration) {
+        info!(service = self.name, "shutting down");
+        self.readiness.set(false);
+        http.stop(true).await;
+        self.shutdown.cancel();
+        let all = futures_join(self.tasks);
+        if tokio::time::timeout(grace, all).await.is_err() {
+            warn!(service = self.name, "background work did not stop within the grace period");
+        }
+        self.database.pool.close().await;
+        info!(service = self.name, "stopped");
+    }
+}
+
+async fn futures_join(tasks: Vec<JoinHandle<()>>) {
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+/// Binds the HTTP listener (port 0 picks one) with the health routes and the
+/// service's own `routes`.
+pub fn serve<F>(http: &HttpConfig, routes: F) -> Result<(Server, u16), Error>
+where
+    F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
+{
+    let server = HttpServer::new(move || ActixApp::new().configure(routes.clone()))
+        .workers(2)
+        .disable_signals()
+        .shutdown_timeout(http.shutdown_grace_ms.div_ceil(1000))
+        .bind(http.addr)
+        .map_err(|source| Error::Bind { addr: http.addr, source })?;
+    let port = server.addrs().first().map(|a| a.port()).unwrap_or_default();
+    Ok((server.run(), port))
+}
+
+/// Resolves on the first SIGINT or SIGTERM. A second one exits the process at once.
+pub async fn shutdown_signal() {
+    wait_for_signal().await;
+    info!("shutdown requested; a second signal exits at once");
+    tokio::spawn(async {
+        wait_for_signal().await;
+        warn!("second signal: exiting now");
+        std::process::exit(130);
+    });
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => {
+            // Without signal handlers the process can only be killed; never resolve.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A running service: its shared base, its HTTP server and the port it listens on.
+pub struct ServiceApp {
+    pub base: Base,
+    server: Server,
+    port: u16,
+    grace: std::time::Duration,
+}
+
+impl std::fmt::Debug for ServiceApp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceApp").field("base", &self.base).field("port", &self.port).finish_non_exhaustive()
+    }
+}
+
+impl ServiceApp {
+    /// Starts the shared base and binds the HTTP listener with the health routes
+    /// and `routes`. Background work is added with `app.base.spawn` before `run`.
+    pub async fn build<F>(
+        name: &'static str,
+        config: &fenceline_config::ServiceConfig,
+        migrator: &Migrator,
+        routes: F,
+    ) -> Result<Self, Error>
+    where
+        F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
+    {
+        config.validate()?;
+        let base = Base::start(
+            name,
+            BaseConfig { postgres: &config.postgres, kafka: &config.kafka, outbox: &config.outbox },
+            migrator,
+        )
+        .await?;
+        let health = health_routes(name, base.readiness.clone(), Some(base.database.pool.clone()));
+        let (server, port) = serve(&config.http, move |cfg: &mut web::ServiceConfig| {
+            health(cfg);
+            routes(cfg);
+        })?;
+        info!(service = name, port, "listening");
+        Ok(Self { base, server, port, grace: config.http.shutdown_grace() })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Serves until `shutdown` resolves, then stops in order.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
+        let handle = self.server.handle();
+        let server = tokio::spawn(self.server);
+        self.base.readiness.set(true);
+        shutdown.await;
+        self.base.stop(handle, self.grace).await;
+        let _ = server.await;
+    }
+}

@@ -1,1 +1,118 @@
-//! placeholder
+//! Postgres access shared by every service: a pool whose connections see only the
+//! service's own schema, and migrations embedded in the binaries.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use fenceline_config::PostgresConfig;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("schema name `{0}` must be lower-case letters, digits and underscores, starting with a letter")]
+    SchemaName(String),
+    #[error("database URL is invalid: {0}")]
+    Url(#[source] sqlx::Error),
+    #[error("connecting to the database: {0}")]
+    Connect(#[source] sqlx::Error),
+    #[error("migrating schema {schema}: {source}")]
+    Migrate {
+        schema: String,
+        #[source]
+        source: sqlx::migrate::MigrateError,
+    },
+}
+
+/// A schema name, checked so it can be put into SQL unquoted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaName(String);
+
+impl SchemaName {
+    pub fn parse(name: &str) -> Result<Self, Error> {
+        let mut chars = name.chars();
+        let valid = name.len() <= 63
+            && chars.next().is_some_and(|c| c.is_ascii_lowercase())
+            && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if valid { Ok(Self(name.to_owned())) } else { Err(Error::SchemaName(name.to_owned())) }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The service's database: a pool, and the options to open a connection of its own
+/// (for session-level locks) with the same search path.
+#[derive(Debug, Clone)]
+pub struct Database {
+    pub pool: PgPool,
+    pub options: PgConnectOptions,
+    pub schema: SchemaName,
+}
+
+/// Connects, creates the service's schema if needed, and runs `migrators` in order
+/// (the bus tables first, then the service's own). Each migrator tolerates the
+/// others' versions in the shared `_sqlx_migrations` table of the schema.
+pub async fn connect(
+    config: &PostgresConfig,
+    default_schema: &str,
+    migrators: &[&Migrator],
+) -> Result<Database, Error> {
+    let schema = SchemaName::parse(config.schema.as_deref().unwrap_or(default_schema))?;
+    let base = PgConnectOptions::from_str(&config.database_url)
+        .map_err(Error::Url)?
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+    {
+        let bootstrap = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(base.clone())
+            .await
+            .map_err(Error::Connect)?;
+        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {}", schema.as_str()))
+            .execute(&bootstrap)
+            .await
+            .map_err(Error::Connect)?;
+        bootstrap.close().await;
+    }
+    let options = base.options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(config.max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options.clone())
+        .await
+        .map_err(Error::Connect)?;
+    for migrator in migrators {
+        let mut migrator = Migrator { ignore_missing: true, ..clone_migrator(migrator) };
+        migrator.locking = true;
+        migrator.run(&pool).await.map_err(|source| Error::Migrate { schema: schema.as_str().to_owned(), source })?;
+    }
+    tracing::info!(schema = schema.as_str(), "database ready");
+    Ok(Database { pool, options, schema })
+}
+
+fn clone_migrator(migrator: &Migrator) -> Migrator {
+    Migrator {
+        migrations: migrator.migrations.clone(),
+        ignore_missing: migrator.ignore_missing,
+        locking: migrator.locking,
+        no_tx: migrator.no_tx,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        assert!(SchemaName::parse("scheduler").is_ok());
+        assert!(SchemaName::parse("fake_provider2").is_ok());
+        for bad in ["", "Scheduler", "1abc", "a-b", "a;drop"] {
+            assert!(SchemaName::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -93,22 +93,14 @@ mod tests {
     fn traceparent_survives_a_round_trip_through_a_header() {
         let _guard = init("telemetry-test");
         let producer_span = tracing::info_span!("produce");
-        let header = producer_span
-            .in_scope(current_traceparent)
-            .expect("a sampled span has a traceparent");
+        let header = producer_span.in_scope(current_traceparent).expect("a sampled span has a traceparent");
         assert!(header.starts_with("00-"), "W3C version 00: {header}");
 
         let consumer_span = tracing::info_span!("consume");
         continue_trace(&consumer_span, Some(&header));
-        let continued = consumer_span
-            .in_scope(current_traceparent)
-            .expect("continued span");
+        let continued = consumer_span.in_scope(current_traceparent).expect("continued span");
         let trace_id = |h: &str| h.split('-').nth(1).map(str::to_owned);
-        assert_eq!(
-            trace_id(&header),
-            trace_id(&continued),
-            "same trace on both sides"
-        );
+        assert_eq!(trace_id(&header), trace_id(&continued), "same trace on both sides");
         assert_ne!(header, continued, "a new span id on the consumer side");
     }
 }

@@ -1,0 +1,603 @@
+//! The fenced consumer (DESIGN.md section 4). One implementation for every service:
+//! a service plugs in a [`Handler`] and never writes a poll loop of its own.
+//!
+//! - On assignment an instance bumps the partition's epoch in the database and
+//!   starts reading at the database's `next_offset`; the broker's committed offset
+//!   is only a hint.
+//! - Records are handled in batches, one transaction per batch: the transaction
+//!   locks the batch's partition rows, applies only what [`plan_batch`] allows
+//!   (nothing if another instance took the partition over), dedupes by `event_id`,
+//!   lets the handler change the projection and write outbox rows, dead-letters
+//!   what cannot be read, and advances `next_offset`. The broker offset is stored
+//!   only after the commit.
+//! - On revocation the in-flight batch is drained before the partitions are given up.
+//!
+//! Polling runs on a thread of its own, so rebalance callbacks can wait for the
+//! database while the async side keeps handling.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fenceline_config::{ConsumerConfig, KafkaConfig};
+use fenceline_domain::progress::{BatchPlan, StartAt, StoredProgress, plan_batch, start_at};
+use fenceline_events::{Bytes, DeadLetter, Envelope, Event, OriginalHeader, Timestamp, topics};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Headers as _, Message, OwnedMessage};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, info_span, warn};
+
+use crate::{Error, OutboxWriter, fault};
+
+/// A record handed to a handler: where it came from and what it says.
+#[derive(Debug, Clone)]
+pub struct Inbound {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub envelope: Envelope,
+}
+
+/// Why a handler did not apply an event.
+#[derive(Debug, thiserror::Error)]
+pub enum HandleError {
+    /// The event can never be applied (it contradicts the projection's rules); it
+    /// goes to the dead-letter topic and the partition moves on.
+    #[error("{0}")]
+    Poison(String),
+    /// Applying failed for a reason that may pass (database unavailable); the whole
+    /// batch is rolled back and tried again.
+    #[error("database: {0}")]
+    Transient(#[from] sqlx::Error),
+    #[error(transparent)]
+    Bus(#[from] Error),
+}
+
+impl From<crate::faults::Injected> for HandleError {
+    fn from(injected: crate::faults::Injected) -> Self {
+        Self::Bus(Error::Injected(injected))
+    }
+}
+
+/// A service's projection logic. It runs inside the batch transaction and must not
+/// wait on anything but that transaction.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        record: &Inbound,
+    ) -> impl Future<Output = Result<(), HandleError>> + Send;
+}
+
+/// What to consume, as whom.
+#[derive(Debug, Clone)]
+pub struct ConsumerSpec {
+    /// Consumer group, and the progress namespace in `consumer_partitions`.
+    pub group: String,
+    /// Topics, already prefixed.
+    pub topics: Vec<String>,
+    /// This instance's name, in logs and in `consumer_partitions.owner`.
+    pub instance: String,
+}
+
+/// Counters of one consumer, for tests, benchmarks and metrics.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    pub applied: AtomicU64,
+    pub redelivered: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub fenced_batches: AtomicU64,
+    pub batches: AtomicU64,
+    pub assigned_partitions: AtomicUsize,
+}
+
+/// The running consumer.
+#[derive(Debug)]
+pub struct ConsumerHandle {
+    stats: Arc<ConsumerStats>,
+    processor: tokio::task::JoinHandle<()>,
+    poller: std::thread::JoinHandle<()>,
+}
+
+impl ConsumerHandle {
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        self.stats.clone()
+    }
+
+    /// Waits until both halves stopped (after the shutdown token was cancelled).
+    pub async fn join(self) {
+        let _ = self.processor.await;
+        let _ = tokio::task::spawn_blocking(move || self.poller.join()).await;
+    }
+}
+
+/// Partitions this instance holds, with the epoch it holds them under.
+type Ownership = Arc<Mutex<HashMap<(String, i32), i64>>>;
+
+struct FencedContext {
+    runtime: Handle,
+    pool: PgPool,
+    spec: ConsumerSpec,
+    owned: Ownership,
+    /// Held by the processor for the duration of a batch; the revoke callback takes
+    /// it to wait for the in-flight batch.
+    in_flight: Arc<tokio::sync::Mutex<()>>,
+    stats: Arc<ConsumerStats>,
+    grace: Duration,
+    shutdown: CancellationToken,
+}
+
+impl ClientContext for FencedContext {}
+
+impl ConsumerContext for FencedContext {
+    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.on_assign(consumer, tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.on_revoke(consumer, tpl),
+            other => {
+                warn!(group = %self.spec.group, error = ?other, "rebalance failed; giving up every partition");
+                self.forget_all();
+                let _ = consumer.unassign();
+            }
+        }
+    }
+}
+
+impl FencedContext {
+    fn on_assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
+        let partitions: Vec<(String, i32)> =
+            tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
+        let mut backoff = Duration::from_millis(100);
+        let acquired = loop {
+            match self.runtime.block_on(acquire(&self.pool, &self.spec, &partitions)) {
+                Ok(acquired) => break acquired,
+                Err(e) if !self.shutdown.is_cancelled() => {
+                    warn!(group = %self.spec.group, error = %e, "cannot take partitions over yet; retrying");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(_) => {
+                    let _ = consumer.unassign();
+                    return;
+                }
+            }
+        };
+        {
+            let mut owned = lock(&self.owned);
+            for ((topic, partition), epoch, start) in &acquired {
+                owned.insert((topic.clone(), *partition), *epoch);
+                let offset = match start {
+                    StartAt::Beginning => Offset::Beginning,
+                    StartAt::Offset(o) => Offset::Offset(*o),
+                };
+                if let Err(e) = tpl.set_partition_offset(topic, *partition, offset) {
+                    error!(topic, partition, error = %e, "cannot set start offset");
+                }
+                info!(group = %self.spec.group, topic, partition, epoch, start = ?start, "partition taken over");
+            }
+            self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
+        }
+        if let Err(e) = consumer.assign(tpl) {
+            error!(group = %self.spec.group, error = %e, "assign failed");
+        }
+    }
+
+    fn on_revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        {
+            let mut owned = lock(&self.owned);
+            for element in tpl.elements() {
+                owned.remove(&(element.topic().to_owned(), element.partition()));
+            }
+            self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
+        }
+        // Let the batch in flight finish (it may include revoked partitions; it is
+        // still fenced by epoch if it outlives the grace period).
+        let drained =
+            self.runtime.block_on(async { tokio::time::timeout(self.grace, self.in_flight.lock()).await.is_ok() });
+        if !drained {
+            warn!(group = %self.spec.group, "batch still in flight at revocation; its epoch check decides");
+        }
+        info!(group = %self.spec.group, partitions = tpl.count(), "partitions given up");
+        let _ = consumer.unassign();
+    }
+
+    fn forget_all(&self) {
+        lock(&self.owned).clear();
+        self.stats.assigned_partitions.store(0, Ordering::Relaxed);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding the map leaves it consistent (single inserts/removes).
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Bumps the epoch of every partition in one transaction, in a fixed order.
+async fn acquire(
+    pool: &PgPool,
+    spec: &ConsumerSpec,
+    partitions: &[(String, i32)],
+) -> Result<Vec<((String, i32), i64, StartAt)>, sqlx::Error> {
+    let mut sorted = partitions.to_vec();
+    sorted.sort();
+    let mut tx = pool.begin().await?;
+    let mut out = Vec::with_capacity(sorted.len());
+    for (topic, partition) in sorted {
+        let (epoch, next_offset): (i64, Option<i64>) = sqlx::query_as(
+            "INSERT INTO consumer_partitions (consumer_group, topic, partition, epoch, next_offset, owner) \
+             VALUES ($1, $2, $3, 1, NULL, $4) \
+             ON CONFLICT (consumer_group, topic, partition) DO UPDATE \
+             SET epoch = consumer_partitions.epoch + 1, owner = EXCLUDED.owner, updated_at = now() \
+             RETURNING epoch, next_offset",
+        )
+        .bind(&spec.group)
+        .bind(&topic)
+        .bind(partition)
+        .bind(&spec.instance)
+        .fetch_one(&mut *tx)
+        .await?;
+        out.push(((topic, partition), epoch, start_at(next_offset)));
+    }
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// The consumer: a polling thread and a batch processor.
+#[derive(Debug)]
+pub struct FencedConsumer;
+
+impl FencedConsumer {
+    /// Subscribes and starts handling; runs until `shutdown` is cancelled. Must be
+    /// called from within a tokio runtime.
+    pub fn spawn<H: Handler>(
+        spec: ConsumerSpec,
+        kafka: &KafkaConfig,
+        config: &ConsumerConfig,
+        pool: PgPool,
+        outbox: OutboxWriter,
+        handler: H,
+        grace: Duration,
+        shutdown: CancellationToken,
+    ) -> Result<ConsumerHandle, Error> {
+        let stats = Arc::new(ConsumerStats::default());
+        let owned: Ownership = Arc::default();
+        let in_flight = Arc::new(tokio::sync::Mutex::new(()));
+        let context = FencedContext {
+            runtime: Handle::current(),
+            pool: pool.clone(),
+            spec: spec.clone(),
+            owned: owned.clone(),
+            in_flight: in_flight.clone(),
+            stats: stats.clone(),
+            grace,
+            shutdown: shutdown.clone(),
+        };
+        let consumer: Arc<BaseConsumer<FencedContext>> =
+            Arc::new(crate::kafka::consumer_config(kafka, &spec.instance, &spec.group).create_with_context(context)?);
+        let topic_refs: Vec<&str> = spec.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topic_refs)?;
+
+        // Room for a few batches: enough to keep the processor busy, small enough
+        // that a revoked partition's queued records are few.
+        let (tx, rx) = mpsc::channel::<OwnedMessage>(config.batch_max.saturating_mul(2).max(16));
+        let poller = {
+            let consumer = consumer.clone();
+            let shutdown = shutdown.clone();
+            let group = spec.group.clone();
+            std::thread::Builder::new()
+                .name(format!("poll-{group}"))
+                .spawn(move || poll_loop(&consumer, &tx, &shutdown, &group))
+                .map_err(|e| Error::Kafka(KafkaError::Subscription(e.to_string())))?
+        };
+        let processor = Processor {
+            consumer,
+            pool,
+            outbox,
+            handler,
+            spec,
+            owned,
+            in_flight,
+            stats: stats.clone(),
+            batch_max: config.batch_max.max(1),
+            batch_wait: config.batch_wait(),
+        };
+        let span = info_span!("consumer", group = %processor.spec.group);
+        let processor = tokio::spawn(processor.run(rx, shutdown).instrument(span));
+        Ok(ConsumerHandle { stats, processor, poller })
+    }
+}
+
+fn poll_loop(
+    consumer: &BaseConsumer<FencedContext>,
+    tx: &mpsc::Sender<OwnedMessage>,
+    shutdown: &CancellationToken,
+    group: &str,
+) {
+    while !shutdown.is_cancelled() {
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {}
+            Some(Ok(message)) => {
+                if tx.blocking_send(message.detach()).is_err() {
+                    break;
+                }
+            }
+            Some(Err(e)) => warn!(group, error = %e, "consumer error"),
+        }
+    }
+    // Leave the group cleanly: the revoke callback drains the last batch.
+    consumer.unsubscribe();
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < deadline && !consumer.assignment().map(|a| a.count() == 0).unwrap_or(true) {
+        let _ = consumer.poll(Duration::from_millis(50));
+    }
+    debug!(group, "poll loop stopped");
+}
+
+struct Processor<H> {
+    consumer: Arc<BaseConsumer<FencedContext>>,
+    pool: PgPool,
+    outbox: OutboxWriter,
+    handler: H,
+    spec: ConsumerSpec,
+    owned: Ownership,
+    in_flight: Arc<tokio::sync::Mutex<()>>,
+    stats: Arc<ConsumerStats>,
+    batch_max: usize,
+    batch_wait: Duration,
+}
+
+/// The outcome of one batch transaction.
+#[derive(Debug, Default)]
+struct Applied {
+    /// Per partition, the last offset now covered by the database.
+    progress: Vec<(String, i32, i64)>,
+}
+
+impl<H: Handler> Processor<H> {
+    async fn run(self, mut rx: mpsc::Receiver<OwnedMessage>, shutdown: CancellationToken) {
+        loop {
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                first = rx.recv() => match first { Some(m) => m, None => break },
+            };
+            let mut batch = vec![first];
+            let deadline = tokio::time::Instant::now() + self.batch_wait;
+            while batch.len() < self.batch_max {
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(m)) => batch.push(m),
+                    _ => break,
+                }
+            }
+            let guard = self.in_flight.lock().await;
+            self.handle_until_done(batch, &shutdown).await;
+            drop(guard);
+        }
+        info!("consumer stopped");
+    }
+
+    /// Retries a batch that failed for a transient reason until it is applied,
+    /// fenced, or the service shuts down (then the records are redelivered later).
+    async fn handle_until_done(&self, batch: Vec<OwnedMessage>, shutdown: &CancellationToken) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let owned = lock(&self.owned).clone();
+            let mine: Vec<&OwnedMessage> =
+                batch.iter().filter(|m| owned.contains_key(&(m.topic().to_owned(), m.partition()))).collect();
+            if mine.is_empty() {
+                return;
+            }
+            match self.apply_batch(&mine, &owned).await {
+                Ok(applied) => {
+                    self.outbox.committed();
+                    for (topic, partition, last) in applied.progress {
+                        if let Err(e) = self.consumer.store_offset(&topic, partition, last) {
+                            debug!(topic, partition, error = %e, "offset not stored (partition given up?)");
+                        }
+                    }
+                    self.stats.batches.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(e) => {
+                    warn!(error = %e, records = mine.len(), "batch failed; it will be tried again");
+                    if shutdown.is_cancelled() {
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn apply_batch(
+        &self,
+        batch: &[&OwnedMessage],
+        owned: &HashMap<(String, i32), i64>,
+    ) -> Result<Applied, HandleError> {
+        // Per partition, in delivery order.
+        let mut by_partition: BTreeMap<(String, i32), Vec<&OwnedMessage>> = BTreeMap::new();
+        for message in batch {
+            by_partition.entry((message.topic().to_owned(), message.partition())).or_default().push(message);
+        }
+        let mut tx = self.pool.begin().await?;
+        let mut applied = Applied::default();
+        for ((topic, partition), messages) in by_partition {
+            let Some(&my_epoch) = owned.get(&(topic.clone(), partition)) else { continue };
+            let stored: Option<(i64, Option<i64>)> = sqlx::query_as(
+                "SELECT epoch, next_offset FROM consumer_partitions \
+                 WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR UPDATE",
+            )
+            .bind(&self.spec.group)
+            .bind(&topic)
+            .bind(partition)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some((epoch, next_offset)) = stored else {
+                warn!(topic, partition, "no progress row for an owned partition; skipping its records");
+                continue;
+            };
+            let stored = StoredProgress { epoch, next_offset: next_offset.unwrap_or(0) };
+            let offsets: Vec<i64> = messages.iter().map(|m| m.offset()).collect();
+            match plan_batch(stored, my_epoch, &offsets) {
+                BatchPlan::Fenced { mine, current } => {
+                    self.stats.fenced_batches.fetch_add(1, Ordering::Relaxed);
+                    warn!(
+                        topic,
+                        partition,
+                        my_epoch = mine,
+                        current_epoch = current,
+                        "write rejected: partition fenced, another instance took it over; dropping its records"
+                    );
+                    lock(&self.owned).remove(&(topic.clone(), partition));
+                }
+                BatchPlan::Apply { apply, redelivered, next_offset } => {
+                    self.stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);
+                    let to_apply: Vec<&OwnedMessage> = apply.iter().map(|&i| messages[i]).collect();
+                    self.apply_records(&mut tx, &topic, partition, &to_apply).await?;
+                    if !to_apply.is_empty() {
+                        sqlx::query(
+                            "UPDATE consumer_partitions SET next_offset = $5, updated_at = now() \
+                             WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND epoch = $4",
+                        )
+                        .bind(&self.spec.group)
+                        .bind(&topic)
+                        .bind(partition)
+                        .bind(my_epoch)
+                        .bind(next_offset)
+                        .execute(&mut *tx)
+                        .await?;
+                        applied.progress.push((topic, partition, next_offset - 1));
+                    }
+                }
+            }
+        }
+        fault!("consumer.before_db_commit");
+        tx.commit().await?;
+        fault!("consumer.after_db_commit");
+        Ok(applied)
+    }
+
+    /// Decodes, dedupes and hands records to the handler; dead-letters the rest.
+    async fn apply_records(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        topic: &str,
+        partition: i32,
+        messages: &[&OwnedMessage],
+    ) -> Result<(), HandleError> {
+        let mut decoded = Vec::with_capacity(messages.len());
+        for message in messages {
+            let headers = message
+                .headers()
+                .map(|h| h.iter().map(|header| (header.key, header.value)).collect::<Vec<(&str, Option<&[u8]>)>>());
+            match Envelope::decode(headers.unwrap_or_default(), message.payload().unwrap_or_default()) {
+                Ok(envelope) => decoded.push((message, envelope)),
+                Err(e) => self.dead_letter(tx, message, &e.to_string()).await?,
+            }
+        }
+        // One round trip dedupes the whole batch.
+        let ids: Vec<uuid::Uuid> = decoded.iter().map(|(_, e)| e.headers.event_id.as_uuid()).collect();
+        let fresh: HashSet<uuid::Uuid> = sqlx::query_scalar(
+            "INSERT INTO processed_events (consumer_group, event_id) SELECT $1, unnest($2::uuid[]) \
+             ON CONFLICT DO NOTHING RETURNING event_id",
+        )
+        .bind(&self.spec.group)
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await?
+        .into_iter()
+        .collect();
+        let mut seen = HashSet::with_capacity(fresh.len());
+        for (message, envelope) in decoded {
+            let id = envelope.headers.event_id.as_uuid();
+            if !fresh.contains(&id) || !seen.insert(id) {
+                self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let inbound = Inbound {
+                topic: topic.to_owned(),
+                partition,
+                offset: message.offset(),
+                key: message.key().map(<[u8]>::to_vec),
+                envelope,
+            };
+            let span = info_span!(
+                "handle",
+                topic,
+                partition,
+                offset = inbound.offset,
+                event_type = inbound.envelope.event.event_type(),
+                task_id = tracing::field::Empty,
+            );
+            if let Some(task_id) = inbound.envelope.event.task_id() {
+                span.record("task_id", tracing::field::display(task_id));
+            }
+            fenceline_telemetry::continue_trace(&span, inbound.envelope.headers.traceparent.as_deref());
+            // A savepoint, so that a handler refusing the event leaves nothing behind.
+            let mut savepoint = Connection::begin(&mut **tx).await?;
+            match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span).await {
+                Ok(()) => {
+                    savepoint.commit().await?;
+                    self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(HandleError::Poison(reason)) => {
+                    savepoint.rollback().await?;
+                    self.dead_letter(tx, message, &reason).await?;
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        tx: &mut PgConnection,
+        message: &OwnedMessage,
+        reason: &str,
+    ) -> Result<(), HandleError> {
+        warn!(
+            topic = message.topic(),
+            partition = message.partition(),
+            offset = message.offset(),
+            reason,
+            "record dead-lettered"
+        );
+        let original_headers = message
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|header| OriginalHeader {
+                        name: header.key.to_owned(),
+                        value: header.value.map(|v| Bytes(v.to_vec())),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let letter = Event::DeadLetter(DeadLetter {
+            topic: message.topic().to_owned(),
+            partition: message.partition(),
+            offset: message.offset(),
+            consumer: self.spec.group.clone(),
+            reason: reason.to_owned(),
+            original_key: message.key().map(|k| Bytes(k.to_vec())),
+            original_value: message.payload().map(|v| Bytes(v.to_vec())),
+            original_headers,
+            dead_lettered_at: Timestamp::now(),
+        });
+        let key = format!("{}/{}/{}", message.topic(), message.partition(), message.offset());
+        self.outbox.append(tx, topics::DEADLETTER, Some(key.as_bytes()), &letter).await?;
+        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,43 @@
+//! Named fault points. Compiled in only with the `faults` feature (otherwise
+//! [`fault!`](crate::fault) expands to nothing) and armed by the `FAILPOINTS`
+//! variable, for example `FAILPOINTS='consumer.after_db_commit=return(crash)'`:
+//!
+//! - `return(crash)`: abort the process on the spot, as SIGKILL would;
+//! - `return` or `1*return`: fail the operation (once), as a lost connection would;
+//! - `pause`, `sleep(ms)`: stop the thread (forever, or for a while).
+
+#[doc(hidden)]
+pub use fail as __fail;
+
+/// An error injected at a fault point.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("fault injected at {0}")]
+pub struct Injected(pub &'static str);
+
+/// Arms the fault points named in `FAILPOINTS`. Keep the guard for the process's
+/// lifetime. Without the `faults` feature this does nothing.
+pub fn setup() -> fail::FailScenario<'static> {
+    fail::FailScenario::setup()
+}
+
+/// What a `return` action at a fault point does. Never returns for `crash`.
+#[doc(hidden)]
+pub fn on_return(name: &'static str, action: Option<String>) -> Injected {
+    if action.as_deref() == Some("crash") {
+        // Logged to stderr first, so a test can tell a planned crash from a bug.
+        eprintln!("{{\"level\":\"WARN\",\"message\":\"fault point crashes the process\",\"fault_point\":\"{name}\"}}");
+        std::process::abort();
+    }
+    Injected(name)
+}
+
+/// A named fault point in a function returning `Result<_, E>` with
+/// `E: From<Injected>`.
+#[macro_export]
+macro_rules! fault {
+    ($name:literal) => {
+        $crate::faults::__fail::fail_point!($name, |action: Option<String>| {
+            Err($crate::faults::on_return($name, action).into())
+        })
+    };
+}

@@ -1,0 +1,383 @@
+//! The fenced consumer and the outbox relay against the real broker and Postgres
+//! (issue: the backbone). Each test has its own database and topics.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use fenceline_bus::{ConsumerSpec, ConsumerStats, FencedConsumer, OutboxWriter, Relay};
+use fenceline_domain::ids::TaskId;
+use fenceline_events::{Event, topics};
+use fenceline_store::Database;
+use fenceline_tests::process::Proc;
+use fenceline_tests::*;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+
+const PROBE: &str = env!("CARGO_BIN_EXE_bus-probe");
+
+async fn schema(url: &str, name: &str) -> Database {
+    fenceline_store::connect(&postgres(url, name), name, &[&fenceline_bus::MIGRATOR, &PROBE_MIGRATOR])
+        .await
+        .expect("schema")
+}
+
+/// A service-like publisher in its own schema: writer plus a running relay.
+struct Upstream {
+    db: Database,
+    writer: OutboxWriter,
+    shutdown: CancellationToken,
+}
+
+impl Upstream {
+    async fn start(url: &str, prefix: &str) -> Self {
+        let db = schema(url, "upstream").await;
+        let writer = OutboxWriter::new("upstream", prefix, outbox_config().shards);
+        let shutdown = CancellationToken::new();
+        let relay =
+            Relay::new("upstream-relay", db.pool.clone(), db.options.clone(), &kafka(prefix), outbox_config(), &writer)
+                .expect("relay");
+        tokio::spawn(relay.run(shutdown.clone()));
+        Self { db, writer, shutdown }
+    }
+
+    async fn publish(&self, events: &[Event]) {
+        write_outbox(&self.db.pool, &self.writer, topics::STATUS, events, 500).await;
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn events(tasks: usize, per_task: i64) -> Vec<Event> {
+    let ids: Vec<TaskId> = (0..tasks).map(|_| TaskId::new_v7()).collect();
+    (1..=per_task).flat_map(|v| ids.iter().map(move |t| status_event(*t, v))).collect()
+}
+
+fn spawn_consumer(
+    db: &Database,
+    prefix: &str,
+    group: &str,
+    instance: &str,
+    shutdown: &CancellationToken,
+) -> fenceline_bus::ConsumerHandle {
+    FencedConsumer::spawn(
+        ConsumerSpec {
+            group: group.to_owned(),
+            topics: vec![topics::named(prefix, topics::STATUS)],
+            instance: instance.to_owned(),
+        },
+        &kafka(prefix),
+        &consumer_config(),
+        db.pool.clone(),
+        OutboxWriter::new("consumer", prefix, outbox_config().shards),
+        ProbeHandler,
+        Duration::from_secs(5),
+        shutdown.clone(),
+    )
+    .expect("consumer")
+}
+
+fn probe_env(url: &str, prefix: &str, group: &str, instance: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("PROBE_DATABASE_URL", url.to_owned()),
+        ("PROBE_TOPIC_PREFIX", prefix.to_owned()),
+        ("PROBE_GROUP", group.to_owned()),
+        ("PROBE_INSTANCE", instance.to_owned()),
+        ("FENCELINE_TEST_KAFKA_BROKERS", brokers()),
+        ("RUST_LOG", "info".to_owned()),
+    ]
+}
+
+/// Offsets the broker holds for `group` on the status topic, summed.
+fn broker_committed(prefix: &str, group: &str) -> i64 {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("broker.address.family", "v4")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition(&topics::named(prefix, topics::STATUS), p);
+    }
+    let committed = consumer.committed_offsets(tpl, Duration::from_secs(10)).expect("committed offsets");
+    committed
+        .elements()
+        .iter()
+        .map(|e| match e.offset() {
+            Offset::Offset(o) => o,
+            _ => 0,
+        })
+        .sum()
+}
+
+async fn database_progress(pool: &sqlx::PgPool, group: &str) -> (i64, i64) {
+    sqlx::query_as("SELECT coalesce(sum(next_offset), 0)::bigint, coalesce(max(epoch), 0) FROM consumer_partitions WHERE consumer_group = $1")
+        .bind(group)
+        .fetch_one(pool)
+        .await
+        .expect("progress")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_database_commit_redelivers_and_the_projection_changes_once() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let upstream = Upstream::start(&url, &prefix).await;
+    upstream.publish(&events(10, 3)).await;
+    let probe_db = schema(&url, "probe").await;
+
+    let mut crashing = Proc::spawn(
+        PROBE,
+        &["consume"],
+        &[
+            probe_env(&url, &prefix, "g1", "probe-a"),
+            vec![("FAILPOINTS", "consumer.after_db_commit=return(crash)".to_owned())],
+        ]
+        .concat(),
+    );
+    let status = crashing.wait_exit(Duration::from_secs(60)).await.expect("the probe crashes at the fault point");
+    assert!(!status.success(), "aborted, not a clean exit");
+    assert_eq!(crashing.lines_with("consumer.after_db_commit").len(), 1, "{}", crashing.all_lines());
+
+    // The batch is in the database, but the broker was never told: it would hand
+    // those records out again.
+    let (applied_before, _) = probe_counts(&probe_db.pool).await;
+    let (db_offsets, _) = database_progress(&probe_db.pool, "g1").await;
+    assert!(applied_before > 0, "the crash came after a commit");
+    assert!(broker_committed(&prefix, "g1") < db_offsets, "the broker's offset lags the database's");
+
+    let restarted = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, "g1", "probe-b"));
+    let (applied, duplicated) = wait_applied(&probe_db.pool, 30, Duration::from_secs(60)).await;
+    assert_eq!((applied, duplicated), (30, 0), "every event applied once: {}", restarted.all_lines());
+    let (_, epoch) = database_progress(&probe_db.pool, "g1").await;
+    assert!(epoch >= 2, "the restart took the partitions over with a new epoch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_in_the_middle_of_10000_events_applies_each_exactly_once() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let upstream = Upstream::start(&url, &prefix).await;
+    let consumer_db = schema(&url, "probe").await;
+    let shutdown_a = CancellationToken::new();
+    let shutdown_b = CancellationToken::new();
+    let a = spawn_consumer(&consumer_db, &prefix, "g2", "instance-a", &shutdown_a);
+
+    let all = events(100, 100);
+    upstream.publish(&all[..5_000]).await;
+    wait_applied(&consumer_db.pool, 1_000, Duration::from_secs(60)).await;
+    // A second instance joins: the group rebalances while records keep flowing.
+    let b = spawn_consumer(&consumer_db, &prefix, "g2", "instance-b", &shutdown_b);
+    upstream.publish(&all[5_000..]).await;
+    let stats_b = b.stats();
+    // Then the first one leaves: another rebalance.
+    wait_applied(&consumer_db.pool, 7_000, Duration::from_secs(90)).await;
+    shutdown_a.cancel();
+    a.join().await;
+
+    let (applied, duplicated) = wait_applied(&consumer_db.pool, 10_000, Duration::from_secs(120)).await;
+    assert_eq!(applied, 10_000, "no event skipped");
+    assert_eq!(duplicated, 0, "no event applied twice");
+    assert!(stats_b.applied.load(std::sync::atomic::Ordering::Relaxed) > 0, "the second instance took part");
+    let (_, epoch) = database_progress(&consumer_db.pool, "g2").await;
+    assert!(epoch >= 2, "partitions changed hands");
+    shutdown_b.cancel();
+    b.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_whose_epoch_was_bumped_has_its_write_rejected_and_says_so() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let upstream = Upstream::start(&url, &prefix).await;
+    let probe_db = schema(&url, "probe").await;
+    let zombie = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, "g3", "zombie"));
+    upstream.publish(&events(9, 1)).await;
+    assert_eq!(wait_applied(&probe_db.pool, 9, Duration::from_secs(60)).await, (9, 0));
+
+    // Another instance takes every partition over, as after a rebalance the zombie
+    // did not notice.
+    sqlx::query("UPDATE consumer_partitions SET epoch = epoch + 1, owner = 'usurper' WHERE consumer_group = 'g3'")
+        .execute(&probe_db.pool)
+        .await
+        .expect("bump epochs");
+    upstream.publish(&events(9, 1)).await;
+
+    assert!(
+        zombie.wait_for_line("write rejected: partition fenced", Duration::from_secs(30)).await,
+        "the zombie logs the rejection: {}",
+        zombie.all_lines()
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(probe_counts(&probe_db.pool).await, (9, 0), "nothing the zombie handled after the bump landed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_record_is_dead_lettered_and_the_partition_moves_on() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let upstream = Upstream::start(&url, &prefix).await;
+    let consumer_db = schema(&url, "probe").await;
+    let shutdown = CancellationToken::new();
+    let consumer = spawn_consumer(&consumer_db, &prefix, "g4", "instance", &shutdown);
+
+    // Garbage first, then valid events of the same key (so the same partition).
+    let task = TaskId::new_v7();
+    let status_topic = topics::named(&prefix, topics::STATUS);
+    produce_raw(&brokers(), &status_topic, task.to_string().as_bytes(), b"not avro at all", &[("event_id", "x")]).await;
+    upstream.publish(&(1..=5).map(|v| status_event(task, v)).collect::<Vec<_>>()).await;
+
+    assert_eq!(wait_applied(&consumer_db.pool, 5, Duration::from_secs(60)).await, (5, 0), "the partition moved on");
+    let letters = read_topic(&brokers(), &topics::named(&prefix, topics::DEADLETTER), 1, Duration::from_secs(30));
+    assert_eq!(letters.len(), 1);
+    let Event::DeadLetter(letter) = fenceline_events::decode(letters[0].payload().expect("value")).expect("decodes")
+    else {
+        panic!("not a dead letter");
+    };
+    assert_eq!(letter.original_value.expect("value kept").0, b"not avro at all");
+    assert_eq!(letter.topic, status_topic);
+    assert_eq!(letter.consumer, "g4");
+    assert!(letter.reason.contains("header event_id is invalid"), "{}", letter.reason);
+    assert_eq!(consumer.stats().dead_lettered.load(std::sync::atomic::Ordering::Relaxed), 1);
+    shutdown.cancel();
+    consumer.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_after_the_broker_acknowledged_resends_and_the_consumer_applies_once() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    // The probe's own outbox holds the events; its relay crashes before marking.
+    let probe_db = schema(&url, "probe").await;
+    let writer = OutboxWriter::new("bus-probe", prefix.clone(), outbox_config().shards);
+    let sent = events(20, 1);
+    write_outbox(&probe_db.pool, &writer, topics::STATUS, &sent, 100).await;
+
+    let mut crashing = Proc::spawn(
+        PROBE,
+        &["relay"],
+        &[
+            probe_env(&url, &prefix, "-", "relay-a"),
+            vec![("FAILPOINTS", "outbox.after_publish_before_mark=return(crash)".to_owned())],
+        ]
+        .concat(),
+    );
+    crashing.wait_exit(Duration::from_secs(60)).await.expect("the relay crashes at the fault point");
+    let unmarked: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        .fetch_one(&probe_db.pool)
+        .await
+        .expect("count");
+    assert_eq!(unmarked, 20, "nothing was marked before the crash");
+
+    let _relay = Proc::spawn(PROBE, &["relay"], &probe_env(&url, &prefix, "-", "relay-b"));
+    let status_topic = topics::named(&prefix, topics::STATUS);
+    let on_topic =
+        tokio::task::spawn_blocking(move || read_topic(&brokers(), &status_topic, 40, Duration::from_secs(60)))
+            .await
+            .expect("reader");
+    let ids: Vec<String> = on_topic.iter().filter_map(event_id_of).collect();
+    let distinct: HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), 20, "the same 20 event ids");
+    assert!(ids.len() >= 40, "each was sent twice, with the same event id ({} records)", ids.len());
+
+    let consumer_db = schema(&url, "consumer").await;
+    let shutdown = CancellationToken::new();
+    let consumer = spawn_consumer(&consumer_db, &prefix, "g5", "instance", &shutdown);
+    assert_eq!(wait_applied(&consumer_db.pool, 20, Duration::from_secs(60)).await, (20, 0));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(consumer.stats().duplicates.load(std::sync::atomic::Ordering::Relaxed) >= 20, "re-sends suppressed");
+    assert_eq!(probe_counts(&consumer_db.pool).await, (20, 0));
+    shutdown.cancel();
+    consumer.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let db = schema(&url, "upstream").await;
+    let writer = OutboxWriter::new("upstream", prefix.clone(), outbox_config().shards);
+    let shutdown = CancellationToken::new();
+    let mut stats = Vec::new();
+    for name in ["relay-1", "relay-2"] {
+        let relay = Relay::new(name, db.pool.clone(), db.options.clone(), &kafka(&prefix), outbox_config(), &writer)
+            .expect("relay");
+        stats.push(relay.stats());
+        tokio::spawn(relay.run(shutdown.clone()));
+    }
+    // Written while both relays run, in many small transactions.
+    let all = events(20, 100);
+    write_outbox(&db.pool, &writer, topics::STATUS, &all, 7).await;
+
+    let status_topic = topics::named(&prefix, topics::STATUS);
+    let on_topic =
+        tokio::task::spawn_blocking(move || read_topic(&brokers(), &status_topic, 2_000, Duration::from_secs(120)))
+            .await
+            .expect("reader");
+    shutdown.cancel();
+    assert_eq!(on_topic.len(), 2_000);
+    for (task, versions) in versions_by_task(&on_topic) {
+        assert_eq!(versions, (1..=100).collect::<Vec<i64>>(), "task {task}: in written order");
+    }
+    let published: Vec<u64> = stats.iter().map(|s| s.published.load(std::sync::atomic::Ordering::Relaxed)).collect();
+    assert_eq!(published.iter().sum::<u64>(), 2_000);
+    eprintln!("rows published per relay: {published:?}");
+}
+
+/// `ConsumerStats` is shared with the metrics of services; keep it constructible.
+#[test]
+fn consumer_stats_start_at_zero() {
+    let stats = ConsumerStats::default();
+    assert_eq!(stats.applied.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_for_30_seconds_delays_events_but_loses_none() {
+    let mut broker = fenceline_tests::process::OwnBroker::start().await;
+    let url = fresh_database().await;
+    let prefix = "down.".to_owned();
+    let mut kafka = kafka(&prefix);
+    kafka.brokers = broker.brokers();
+    fenceline_bus::admin::ensure_topics(&kafka, &fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS), 1)
+        .await
+        .expect("topics");
+    let db = schema(&url, "upstream").await;
+    let writer = OutboxWriter::new("upstream", prefix.clone(), outbox_config().shards);
+    let relay =
+        Relay::new("relay", db.pool.clone(), db.options.clone(), &kafka, outbox_config(), &writer).expect("relay");
+    let stats = relay.stats();
+    let shutdown = CancellationToken::new();
+    tokio::spawn(relay.run(shutdown.clone()));
+
+    write_outbox(&db.pool, &writer, topics::STATUS, &events(10, 10), 50).await;
+    broker.kill();
+    let down_at = tokio::time::Instant::now();
+    write_outbox(&db.pool, &writer, topics::STATUS, &events(10, 10), 50).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    broker.restart().await;
+    eprintln!("broker was down for {:?}", down_at.elapsed());
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let unpublished = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .expect("count")
+    };
+    while unpublished().await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "outbox not drained after the broker came back");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    shutdown.cancel();
+    let (brokers, topic) = (broker.brokers(), topics::named(&prefix, topics::STATUS));
+    let on_topic = tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, 200, Duration::from_secs(60)))
+        .await
+        .expect("reader");
+    let distinct: HashSet<String> = on_topic.iter().filter_map(event_id_of).collect();
+    assert_eq!(distinct.len(), 200, "every event arrived");
+    eprintln!(
+        "published {} rows, {} deliveries failed and were re-sent",
+        stats.published.load(std::sync::atomic::Ordering::Relaxed),
+        stats.failed_deliveries.load(std::sync::atomic::Ordering::Relaxed)
+    );
+}

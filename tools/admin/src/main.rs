@@ -1,0 +1,44 @@
+//! `fenceline-admin`: operator commands that act on Kafka rather than on one
+//! service's tables.
+
+use clap::{Parser, Subcommand};
+use fenceline_config::KafkaConfig;
+
+#[derive(Debug, Parser)]
+#[command(name = "fenceline-admin", about = "Fenceline operator commands")]
+struct Cli {
+    #[command(flatten)]
+    kafka: KafkaConfig,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Creates every Fenceline topic that does not exist yet (fenceline.status
+    /// compacted); existing topics are left unchanged.
+    EnsureTopics {
+        /// Partitions of every task-keyed topic; all of them must have the same count.
+        #[arg(long, env = "FENCELINE_PARTITIONS", default_value_t = 3)]
+        partitions: i32,
+        /// Replication factor (1 on a single-broker stack).
+        #[arg(long, env = "FENCELINE_REPLICATION", default_value_t = 1)]
+        replication: i32,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let _telemetry = fenceline_telemetry::init("admin");
+    let cli = Cli::parse();
+    match cli.command {
+        Command::EnsureTopics { partitions, replication } => {
+            let topics = fenceline_bus::admin::fenceline_topics(&cli.kafka.topic_prefix, partitions);
+            fenceline_bus::admin::ensure_topics(&cli.kafka, &topics, replication).await?;
+            for topic in &topics {
+                tracing::info!(topic = %topic.name, partitions = topic.partitions, compacted = topic.compacted, "topic ready");
+            }
+        }
+    }
+    Ok(())
+}

@@ -37,8 +37,15 @@ pub fn brokers() -> String {
     env("FENCELINE_TEST_KAFKA_BROKERS")
 }
 
+/// Logs of the code under test go to the test's stderr (shown for failing tests).
+fn init_telemetry() {
+    static GUARD: std::sync::OnceLock<fenceline_telemetry::TelemetryGuard> = std::sync::OnceLock::new();
+    GUARD.get_or_init(|| fenceline_telemetry::init("test"));
+}
+
 /// A database of its own for one test; returns its URL.
 pub async fn fresh_database() -> String {
+    init_telemetry();
     let admin = admin_database_url();
     let mut conn = PgConnection::connect(&admin).await.expect("connect to the test Postgres");
     let name = format!("t_{}", uuid::Uuid::now_v7().simple());
@@ -58,8 +65,8 @@ pub fn kafka(prefix: &str) -> KafkaConfig {
         brokers: brokers(),
         topic_prefix: prefix.to_owned(),
         properties: Properties::default(),
-        session_timeout_ms: 6_000,
-        max_poll_interval_ms: 20_000,
+        session_timeout_ms: 20_000,
+        max_poll_interval_ms: 60_000,
         message_timeout_ms: 60_000,
     }
 }
@@ -72,14 +79,25 @@ pub fn outbox_config() -> OutboxConfig {
     OutboxConfig { shards: 4, batch_max: 500, idle_poll_ms: 100 }
 }
 
-/// A fresh topic prefix with every Fenceline topic created under it.
+/// A fresh topic prefix with the topics the bus tests use (status, dead letters)
+/// created under it. Only those: this broker spends CPU on every partition it
+/// holds, idle or not, and a test run creates many prefixes.
 pub async fn fresh_topics() -> String {
     let prefix = format!("t{}.", uuid::Uuid::now_v7().simple());
     let kafka = kafka(&prefix);
-    fenceline_bus::admin::ensure_topics(&kafka, &fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS), 1)
-        .await
-        .expect("create test topics");
+    let wanted = [fenceline_events::topics::STATUS, fenceline_events::topics::DEADLETTER];
+    let topics: Vec<_> = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
+        .into_iter()
+        .filter(|t| wanted.iter().any(|w| t.name.ends_with(w)))
+        .collect();
+    fenceline_bus::admin::ensure_topics(&kafka, &topics, 1).await.expect("create test topics");
     prefix
+}
+
+/// A consumer group of its own for one test: the broker keeps group state across
+/// tests, and a stale member of a reused group would take part in rebalances.
+pub fn fresh_group() -> String {
+    format!("g{}", uuid::Uuid::now_v7().simple())
 }
 
 /// The probe's projection: counts how often each event was applied.

@@ -58,6 +58,8 @@ fn events(tasks: usize, per_task: i64) -> Vec<Event> {
     (1..=per_task).flat_map(|v| ids.iter().map(move |t| status_event(*t, v))).collect()
 }
 
+/// A consumer over the status topic into the probe projection, with the relay of
+/// its schema's outbox (where dead letters go), as a service runs them.
 fn spawn_consumer(
     db: &Database,
     prefix: &str,
@@ -65,6 +67,17 @@ fn spawn_consumer(
     instance: &str,
     shutdown: &CancellationToken,
 ) -> fenceline_bus::ConsumerHandle {
+    let writer = OutboxWriter::new("consumer", prefix, outbox_config().shards);
+    let relay = Relay::new(
+        format!("{instance}-relay"),
+        db.pool.clone(),
+        db.options.clone(),
+        &kafka(prefix),
+        outbox_config(),
+        &writer,
+    )
+    .expect("relay");
+    tokio::spawn(relay.run(shutdown.clone()));
     FencedConsumer::spawn(
         ConsumerSpec {
             group: group.to_owned(),
@@ -74,7 +87,7 @@ fn spawn_consumer(
         &kafka(prefix),
         &consumer_config(),
         db.pool.clone(),
-        OutboxWriter::new("consumer", prefix, outbox_config().shards),
+        writer,
         ProbeHandler,
         Duration::from_secs(5),
         shutdown.clone(),
@@ -127,6 +140,7 @@ async fn database_progress(pool: &sqlx::PgPool, group: &str) -> (i64, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_database_commit_redelivers_and_the_projection_changes_once() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
     let upstream = Upstream::start(&url, &prefix).await;
     upstream.publish(&events(10, 3)).await;
     let probe_db = schema(&url, "probe").await;
@@ -135,7 +149,7 @@ async fn a_crash_after_the_database_commit_redelivers_and_the_projection_changes
         PROBE,
         &["consume"],
         &[
-            probe_env(&url, &prefix, "g1", "probe-a"),
+            probe_env(&url, &prefix, &group, "probe-a"),
             vec![("FAILPOINTS", "consumer.after_db_commit=return(crash)".to_owned())],
         ]
         .concat(),
@@ -147,60 +161,64 @@ async fn a_crash_after_the_database_commit_redelivers_and_the_projection_changes
     // The batch is in the database, but the broker was never told: it would hand
     // those records out again.
     let (applied_before, _) = probe_counts(&probe_db.pool).await;
-    let (db_offsets, _) = database_progress(&probe_db.pool, "g1").await;
+    let (db_offsets, _) = database_progress(&probe_db.pool, &group).await;
     assert!(applied_before > 0, "the crash came after a commit");
-    assert!(broker_committed(&prefix, "g1") < db_offsets, "the broker's offset lags the database's");
+    assert!(broker_committed(&prefix, &group) < db_offsets, "the broker's offset lags the database's");
 
-    let restarted = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, "g1", "probe-b"));
+    let restarted = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, &group, "probe-b"));
     let (applied, duplicated) = wait_applied(&probe_db.pool, 30, Duration::from_secs(60)).await;
     assert_eq!((applied, duplicated), (30, 0), "every event applied once: {}", restarted.all_lines());
-    let (_, epoch) = database_progress(&probe_db.pool, "g1").await;
+    let (_, epoch) = database_progress(&probe_db.pool, &group).await;
     assert!(epoch >= 2, "the restart took the partitions over with a new epoch");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebalance_in_the_middle_of_10000_events_applies_each_exactly_once() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
     let upstream = Upstream::start(&url, &prefix).await;
     let consumer_db = schema(&url, "probe").await;
     let shutdown_a = CancellationToken::new();
     let shutdown_b = CancellationToken::new();
-    let a = spawn_consumer(&consumer_db, &prefix, "g2", "instance-a", &shutdown_a);
+    let a = spawn_consumer(&consumer_db, &prefix, &group, "instance-a", &shutdown_a);
 
     let all = events(100, 100);
     upstream.publish(&all[..5_000]).await;
     wait_applied(&consumer_db.pool, 1_000, Duration::from_secs(60)).await;
     // A second instance joins: the group rebalances while records keep flowing.
-    let b = spawn_consumer(&consumer_db, &prefix, "g2", "instance-b", &shutdown_b);
+    let b = spawn_consumer(&consumer_db, &prefix, &group, "instance-b", &shutdown_b);
     upstream.publish(&all[5_000..]).await;
-    let stats_b = b.stats();
-    // Then the first one leaves: another rebalance.
-    wait_applied(&consumer_db.pool, 7_000, Duration::from_secs(90)).await;
-    shutdown_a.cancel();
-    a.join().await;
-
+    let (stats_a, stats_b) = (a.stats(), b.stats());
     let (applied, duplicated) = wait_applied(&consumer_db.pool, 10_000, Duration::from_secs(120)).await;
     assert_eq!(applied, 10_000, "no event skipped");
     assert_eq!(duplicated, 0, "no event applied twice");
-    assert!(stats_b.applied.load(std::sync::atomic::Ordering::Relaxed) > 0, "the second instance took part");
-    let (_, epoch) = database_progress(&consumer_db.pool, "g2").await;
+    let by_a = stats_a.applied.load(std::sync::atomic::Ordering::Relaxed);
+    let by_b = stats_b.applied.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("applied by instance a: {by_a}, by instance b: {by_b}");
+    assert!(by_b > 0, "the second instance took part");
+    assert_eq!(by_a + by_b, 10_000, "the instances' counts add up: nothing applied twice in between");
+    let (_, epoch) = database_progress(&consumer_db.pool, &group).await;
     assert!(epoch >= 2, "partitions changed hands");
+    shutdown_a.cancel();
     shutdown_b.cancel();
+    a.join().await;
     b.join().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_whose_epoch_was_bumped_has_its_write_rejected_and_says_so() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
     let upstream = Upstream::start(&url, &prefix).await;
     let probe_db = schema(&url, "probe").await;
-    let zombie = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, "g3", "zombie"));
+    let zombie = Proc::spawn(PROBE, &["consume"], &probe_env(&url, &prefix, &group, "zombie"));
     upstream.publish(&events(9, 1)).await;
     assert_eq!(wait_applied(&probe_db.pool, 9, Duration::from_secs(60)).await, (9, 0));
 
     // Another instance takes every partition over, as after a rebalance the zombie
     // did not notice.
-    sqlx::query("UPDATE consumer_partitions SET epoch = epoch + 1, owner = 'usurper' WHERE consumer_group = 'g3'")
+    sqlx::query("UPDATE consumer_partitions SET epoch = epoch + 1, owner = 'usurper' WHERE consumer_group = $1")
+        .bind(&group)
         .execute(&probe_db.pool)
         .await
         .expect("bump epochs");
@@ -218,10 +236,11 @@ async fn a_zombie_whose_epoch_was_bumped_has_its_write_rejected_and_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undecodable_record_is_dead_lettered_and_the_partition_moves_on() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
     let upstream = Upstream::start(&url, &prefix).await;
     let consumer_db = schema(&url, "probe").await;
     let shutdown = CancellationToken::new();
-    let consumer = spawn_consumer(&consumer_db, &prefix, "g4", "instance", &shutdown);
+    let consumer = spawn_consumer(&consumer_db, &prefix, &group, "instance", &shutdown);
 
     // Garbage first, then valid events of the same key (so the same partition).
     let task = TaskId::new_v7();
@@ -238,7 +257,7 @@ async fn an_undecodable_record_is_dead_lettered_and_the_partition_moves_on() {
     };
     assert_eq!(letter.original_value.expect("value kept").0, b"not avro at all");
     assert_eq!(letter.topic, status_topic);
-    assert_eq!(letter.consumer, "g4");
+    assert_eq!(letter.consumer, group);
     assert!(letter.reason.contains("header event_id is invalid"), "{}", letter.reason);
     assert_eq!(consumer.stats().dead_lettered.load(std::sync::atomic::Ordering::Relaxed), 1);
     shutdown.cancel();
@@ -248,10 +267,12 @@ async fn an_undecodable_record_is_dead_lettered_and_the_partition_moves_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_after_the_broker_acknowledged_resends_and_the_consumer_applies_once() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
     // The probe's own outbox holds the events; its relay crashes before marking.
     let probe_db = schema(&url, "probe").await;
     let writer = OutboxWriter::new("bus-probe", prefix.clone(), outbox_config().shards);
-    let sent = events(20, 1);
+    // One key, so one shard: the crashing relay publishes all of them in one round.
+    let sent = events(1, 20);
     write_outbox(&probe_db.pool, &writer, topics::STATUS, &sent, 100).await;
 
     let mut crashing = Proc::spawn(
@@ -283,7 +304,7 @@ async fn a_relay_killed_after_the_broker_acknowledged_resends_and_the_consumer_a
 
     let consumer_db = schema(&url, "consumer").await;
     let shutdown = CancellationToken::new();
-    let consumer = spawn_consumer(&consumer_db, &prefix, "g5", "instance", &shutdown);
+    let consumer = spawn_consumer(&consumer_db, &prefix, &group, "instance", &shutdown);
     assert_eq!(wait_applied(&consumer_db.pool, 20, Duration::from_secs(60)).await, (20, 0));
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(consumer.stats().duplicates.load(std::sync::atomic::Ordering::Relaxed) >= 20, "re-sends suppressed");

@@ -15,7 +15,7 @@
 //! Polling runs on a thread of its own, so rebalance callbacks can wait for the
 //! database while the async side keeps handling.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -317,20 +317,42 @@ impl FencedConsumer {
     }
 }
 
+/// Polls without ever blocking on the processor: when its queue is full the
+/// assigned partitions are paused (and resumed once there is room), so rebalance
+/// callbacks and group membership are served however slow a batch is.
 fn poll_loop(
     consumer: &BaseConsumer<FencedContext>,
     tx: &mpsc::Sender<OwnedMessage>,
     shutdown: &CancellationToken,
     group: &str,
 ) {
+    let mut pending: VecDeque<OwnedMessage> = VecDeque::new();
+    let mut paused = false;
     while !shutdown.is_cancelled() {
-        match consumer.poll(Duration::from_millis(100)) {
-            None => {}
-            Some(Ok(message)) => {
-                if tx.blocking_send(message.detach()).is_err() {
+        while let Some(message) = pending.pop_front() {
+            match tx.try_send(message) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(message)) => {
+                    pending.push_front(message);
                     break;
                 }
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
             }
+        }
+        let want_paused = !pending.is_empty();
+        if want_paused != paused {
+            if let Ok(assignment) = consumer.assignment() {
+                let result = if want_paused { consumer.pause(&assignment) } else { consumer.resume(&assignment) };
+                if let Err(e) = result {
+                    debug!(group, error = %e, "pause/resume failed");
+                }
+            }
+            paused = want_paused;
+        }
+        let wait = if pending.is_empty() { Duration::from_millis(100) } else { Duration::from_millis(10) };
+        match consumer.poll(wait) {
+            None => {}
+            Some(Ok(message)) => pending.push_back(message.detach()),
             Some(Err(e)) => warn!(group, error = %e, "consumer error"),
         }
     }

@@ -78,11 +78,21 @@ fn parse_properties(raw: &str) -> Result<Properties, String> {
 #[derive(Debug, Clone, Args)]
 pub struct ConsumerConfig {
     /// Most records handled in one database transaction.
-    #[arg(long = "consumer-batch-max", env = "FENCELINE_CONSUMER_BATCH_MAX", default_value_t = 500)]
+    #[arg(
+        id = "consumer_batch_max",
+        long = "consumer-batch-max",
+        env = "FENCELINE_CONSUMER_BATCH_MAX",
+        default_value_t = 500
+    )]
     pub batch_max: usize,
 
     /// Longest wait for a batch to fill once its first record arrived, in milliseconds.
-    #[arg(long = "consumer-batch-wait-ms", env = "FENCELINE_CONSUMER_BATCH_WAIT_MS", default_value_t = 20)]
+    #[arg(
+        id = "consumer_batch_wait_ms",
+        long = "consumer-batch-wait-ms",
+        env = "FENCELINE_CONSUMER_BATCH_WAIT_MS",
+        default_value_t = 20
+    )]
     pub batch_wait_ms: u64,
 }
 
@@ -98,16 +108,26 @@ pub struct OutboxConfig {
     /// Number of shards the outbox is split into by key hash. One relay instance
     /// holds a shard at a time. Changing it while rows are unpublished is safe
     /// only with every relay stopped.
-    #[arg(long = "outbox-shards", env = "FENCELINE_OUTBOX_SHARDS", default_value_t = 8)]
+    #[arg(id = "outbox_shards", long = "outbox-shards", env = "FENCELINE_OUTBOX_SHARDS", default_value_t = 8)]
     pub shards: u16,
 
     /// Most rows published per shard per round.
-    #[arg(long = "outbox-batch-max", env = "FENCELINE_OUTBOX_BATCH_MAX", default_value_t = 500)]
+    #[arg(
+        id = "outbox_batch_max",
+        long = "outbox-batch-max",
+        env = "FENCELINE_OUTBOX_BATCH_MAX",
+        default_value_t = 500
+    )]
     pub batch_max: u32,
 
     /// Longest sleep between rounds when nothing new was written, in milliseconds.
     /// Writers in the same process wake the relay at once.
-    #[arg(long = "outbox-idle-poll-ms", env = "FENCELINE_OUTBOX_IDLE_POLL_MS", default_value_t = 500)]
+    #[arg(
+        id = "outbox_idle_poll_ms",
+        long = "outbox-idle-poll-ms",
+        env = "FENCELINE_OUTBOX_IDLE_POLL_MS",
+        default_value_t = 500
+    )]
     pub idle_poll_ms: u64,
 }
 
@@ -149,6 +169,25 @@ mod tests {
         let parsed = parse_properties("a=1, b = two ,").expect("two pairs");
         assert_eq!(parsed.0, vec![("a".into(), "1".into()), ("b".into(), "two".into())]);
         assert!(parse_properties("novalue").is_err());
+    }
+
+    #[derive(Debug, clap::Parser)]
+    struct Service {
+        #[command(flatten)]
+        service: ServiceConfig,
+    }
+
+    #[test]
+    fn the_shared_options_form_one_valid_command_with_documented_defaults() {
+        use clap::{CommandFactory, Parser};
+        Service::command().debug_assert();
+        let parsed = Service::try_parse_from(["svc", "--database-url", "postgres://x/y"]).expect("defaults suffice");
+        assert_eq!(parsed.service.consumer.batch_max, 500);
+        assert_eq!(parsed.service.outbox.batch_max, 500);
+        assert!(parsed.service.validate().is_ok());
+        let bad =
+            Service::try_parse_from(["svc", "--database-url", "x", "--shutdown-grace-ms", "20000"]).expect("parses");
+        assert!(bad.service.validate().is_err(), "grace longer than the session timeout");
     }
 
     #[test]

@@ -27,8 +27,10 @@ fn artifact() -> ArtifactRef {
         size_bytes: 48_213,
     }
 }
+/// One entry only: Avro maps have no defined order, so several entries would make
+/// the golden bytes depend on hashing.
 fn labels() -> BTreeMap<String, String> {
-    BTreeMap::from([("campaign".into(), "spring".into()), ("shop".into(), "42".into())])
+    BTreeMap::from([("campaign".into(), "spring".into())])
 }
 
 /// One fixed record of every event type. Do not change: the golden files pin them.

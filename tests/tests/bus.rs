@@ -83,13 +83,13 @@ fn spawn_consumer(
             group: group.to_owned(),
             topics: vec![topics::named(prefix, topics::STATUS)],
             instance: instance.to_owned(),
+            drain_grace: Duration::from_secs(5),
         },
         &kafka(prefix),
         &consumer_config(),
         db.pool.clone(),
         writer,
         ProbeHandler,
-        Duration::from_secs(5),
         shutdown.clone(),
     )
     .expect("consumer")

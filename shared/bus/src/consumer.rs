@@ -87,6 +87,9 @@ pub struct ConsumerSpec {
     pub topics: Vec<String>,
     /// This instance's name, in logs and in `consumer_partitions.owner`.
     pub instance: String,
+    /// How long a revocation waits for the batch in flight; shorter than the
+    /// session timeout.
+    pub drain_grace: Duration,
 }
 
 /// Counters of one consumer, for tests, benchmarks and metrics.
@@ -266,7 +269,6 @@ impl FencedConsumer {
         pool: PgPool,
         outbox: OutboxWriter,
         handler: H,
-        grace: Duration,
         shutdown: CancellationToken,
     ) -> Result<ConsumerHandle, Error> {
         let stats = Arc::new(ConsumerStats::default());
@@ -279,7 +281,7 @@ impl FencedConsumer {
             owned: owned.clone(),
             in_flight: in_flight.clone(),
             stats: stats.clone(),
-            grace,
+            grace: spec.drain_grace,
             shutdown: shutdown.clone(),
         };
         let consumer: Arc<BaseConsumer<FencedContext>> =

@@ -72,7 +72,18 @@ pub fn kafka(prefix: &str) -> KafkaConfig {
 }
 
 pub fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig { batch_max: 500, batch_wait_ms: 20 }
+    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168 }
+}
+
+/// The settings every service shares, for a service under test on port 0.
+pub fn service_config(url: &str, prefix: &str, schema: &str) -> fenceline_config::ServiceConfig {
+    fenceline_config::ServiceConfig {
+        postgres: postgres(url, schema),
+        kafka: kafka(prefix),
+        consumer: consumer_config(),
+        outbox: outbox_config(),
+        http: fenceline_config::HttpConfig { addr: ([127, 0, 0, 1], 0).into(), shutdown_grace_ms: 5_000 },
+    }
 }
 
 pub fn outbox_config() -> OutboxConfig {
@@ -83,12 +94,16 @@ pub fn outbox_config() -> OutboxConfig {
 /// created under it. Only those: this broker spends CPU on every partition it
 /// holds, idle or not, and a test run creates many prefixes.
 pub async fn fresh_topics() -> String {
+    fresh_topics_with(&[fenceline_events::topics::STATUS, fenceline_events::topics::DEADLETTER]).await
+}
+
+/// A fresh topic prefix with the named contract topics created under it.
+pub async fn fresh_topics_with(wanted: &[&str]) -> String {
     let prefix = format!("t{}.", uuid::Uuid::now_v7().simple());
     let kafka = kafka(&prefix);
-    let wanted = [fenceline_events::topics::STATUS, fenceline_events::topics::DEADLETTER];
     let topics: Vec<_> = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
         .into_iter()
-        .filter(|t| wanted.iter().any(|w| t.name.ends_with(w)))
+        .filter(|t| wanted.iter().any(|w| t.name.ends_with(*w)))
         .collect();
     fenceline_bus::admin::ensure_topics(&kafka, &topics, 1).await.expect("create test topics");
     prefix

@@ -1,7 +1,22 @@
-//! Intake: the front door. Idempotent submission over HTTP, signed webhooks and the upstream intake topic; the `task_view` read model.
+//! Intake: the front door. Idempotent submission over HTTP, signed webhooks and the
+//! upstream intake topic; the `task_view` read model.
 
+pub mod auth;
+pub mod problem;
+pub mod tasks;
+
+use std::time::Duration;
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use fenceline_bus::{ConsumerSpec, FencedConsumer, OutboxWriter};
 use fenceline_config::ServiceConfig;
+use fenceline_domain::ids::TaskId;
 use fenceline_runtime::{Error, ServiceApp};
+use sqlx::PgPool;
+
+use crate::auth::Caller;
+use crate::problem::ApiError;
+use crate::tasks::{IdempotencyKey, SubmitTask, Submitted};
 
 /// The service's name: its log field, its database schema, its outbox producer.
 pub const NAME: &str = "intake";
@@ -11,17 +26,130 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Configuration, from environment variables or flags (`--help` lists them).
 #[derive(Debug, Clone, clap::Parser)]
-#[command(
-    name = "fenceline-intake",
-    about = "Intake: the front door. Idempotent submission over HTTP, signed webhooks and the upstream intake topic; the `task_view` read model."
-)]
+#[command(name = "fenceline-intake", about = "Fenceline intake: the task API")]
 pub struct Config {
     #[command(flatten)]
     pub service: ServiceConfig,
+    #[command(flatten)]
+    pub intake: IntakeConfig,
 }
 
-/// Builds the intake: connects and migrates its schema, starts its outbox relay and
-/// binds its HTTP listener. Tests start exactly what the binary runs.
+/// Intake's own settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IntakeConfig {
+    /// Task kinds clients may submit, comma separated.
+    #[arg(
+        long = "kinds",
+        env = "FENCELINE_INTAKE_KINDS",
+        value_delimiter = ',',
+        default_value = "image.generate,ticket.triage"
+    )]
+    pub kinds: Vec<String>,
+
+    /// How long an Idempotency-Key is remembered, in hours.
+    #[arg(
+        long = "idempotency-retention-hours",
+        env = "FENCELINE_INTAKE_IDEMPOTENCY_RETENTION_HOURS",
+        default_value_t = 24
+    )]
+    pub idempotency_retention_hours: u32,
+
+    /// Largest request body, in bytes.
+    #[arg(long = "body-limit-bytes", env = "FENCELINE_INTAKE_BODY_LIMIT_BYTES", default_value_t = 256 * 1024)]
+    pub body_limit_bytes: usize,
+}
+
+/// Shared state of the handlers.
+#[derive(Debug, Clone)]
+struct State {
+    outbox: OutboxWriter,
+    kinds: Vec<String>,
+}
+
+/// Builds intake: connects and migrates its schema, starts its outbox relay, its
+/// status projection and the idempotency purge, and binds its HTTP listener.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| {}).await
+    let kinds = config.intake.kinds.clone();
+    let body_limit = config.intake.body_limit_bytes;
+    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
+        let pool = web::Data::new(base.database.pool.clone());
+        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds });
+        move |cfg: &mut web::ServiceConfig| {
+            cfg.app_data(pool.clone())
+                .app_data(state.clone())
+                .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
+                .route("/v1/tasks", web::post().to(submit))
+                .route("/v1/tasks/{task_id}", web::get().to(read));
+        }
+    })
+    .await?;
+    let pool = app.base.database.pool.clone();
+
+    let consumer = FencedConsumer::spawn(
+        ConsumerSpec {
+            group: format!("{}{NAME}.status", config.service.kafka.topic_prefix),
+            topics: vec![fenceline_events::topics::named(
+                &config.service.kafka.topic_prefix,
+                fenceline_events::topics::STATUS,
+            )],
+            instance: format!("{NAME}-{}", uuid::Uuid::now_v7().simple()),
+            drain_grace: config.service.http.shutdown_grace(),
+        },
+        &config.service.kafka,
+        &config.service.consumer,
+        pool.clone(),
+        app.base.outbox.clone(),
+        tasks::StatusProjection,
+        app.base.shutdown.child_token(),
+    )?;
+    app.base.spawn(async move { consumer.join().await });
+
+    let retention = config.intake.idempotency_retention_hours;
+    let shutdown = app.base.shutdown.child_token();
+    app.base.spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(300));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => match tasks::purge_idempotency_keys(&pool, retention).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(purged = n, "expired idempotency keys purged"),
+                    Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+                },
+            }
+        }
+    });
+    Ok(app)
+}
+
+async fn submit(
+    req: HttpRequest,
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    body: web::Json<SubmitTask>,
+) -> Result<HttpResponse, ApiError> {
+    let key = req
+        .headers()
+        .get("Idempotency-Key")
+        .ok_or(ApiError::IdempotencyKeyMissing)?
+        .to_str()
+        .map_err(|_| ApiError::IdempotencyKeyInvalid("Idempotency-Key must be visible ASCII".into()))?;
+    let key = IdempotencyKey::parse(key)?;
+    let task = body.into_inner().validate(&state.kinds)?;
+    let (accepted, replayed) = match tasks::submit(&pool, &state.outbox, &caller.0, &key, task, "api").await? {
+        Submitted::Created(accepted) => (accepted, false),
+        Submitted::Replayed(accepted) => (accepted, true),
+    };
+    let mut response = HttpResponse::Accepted();
+    response.insert_header(("Location", accepted.status_url.clone()));
+    if replayed {
+        response.insert_header(("Idempotent-Replayed", "true"));
+    }
+    Ok(response.json(accepted))
+}
+
+async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
+    let task_id: TaskId = path.parse().map_err(|_| ApiError::TaskNotFound(path.into_inner()))?;
+    Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id).await?))
 }

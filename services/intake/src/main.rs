@@ -1,13 +1,68 @@
-//! The intake binary: telemetry, configuration, build, run until a signal.
+//! The intake binary: `serve` (the default) runs the service; `create-token` and
+//! `revoke-token` administer API tokens.
 
-use clap::Parser as _;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "fenceline-intake")]
+struct Cli {
+    #[command(flatten)]
+    config: fenceline_intake::Config,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs the service (the default).
+    Serve,
+    /// Creates a tenant if needed and an API token for it; prints the token once.
+    CreateToken {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long, default_value = "")]
+        label: String,
+    },
+    /// Revokes a token by its id.
+    RevokeToken {
+        #[arg(long)]
+        token_id: uuid::Uuid,
+    },
+}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let _telemetry = fenceline_telemetry::init(fenceline_intake::NAME);
     let _faults = fenceline_bus::faults::setup();
-    let config = fenceline_intake::Config::parse();
-    let app = fenceline_intake::build(config).await?;
-    app.run_until(fenceline_runtime::shutdown_signal()).await;
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => {
+            let app = fenceline_intake::build(cli.config).await?;
+            app.run_until(fenceline_runtime::shutdown_signal()).await;
+        }
+        Command::CreateToken { tenant, label } => {
+            let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;
+            let pool = admin_pool(&cli.config).await?;
+            let (id, token) = fenceline_intake::auth::create_token(&pool, &tenant, &label).await?;
+            #[allow(clippy::print_stdout)]
+            {
+                println!("tenant={} token_id={id} token={token}", tenant.as_str());
+            }
+        }
+        Command::RevokeToken { token_id } => {
+            let pool = admin_pool(&cli.config).await?;
+            anyhow::ensure!(fenceline_intake::auth::revoke_token(&pool, token_id).await?, "no active token {token_id}");
+        }
+    }
     Ok(())
+}
+
+async fn admin_pool(config: &fenceline_intake::Config) -> anyhow::Result<sqlx::PgPool> {
+    let database = fenceline_store::connect(
+        &config.service.postgres,
+        fenceline_intake::NAME,
+        &[&fenceline_bus::MIGRATOR, &fenceline_intake::MIGRATOR],
+    )
+    .await?;
+    Ok(database.pool)
 }

@@ -23,5 +23,5 @@ pub struct Config {
 /// Builds the reconciler: connects and migrates its schema, starts its outbox relay and
 /// binds its HTTP listener. Tests start exactly what the binary runs.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| {}).await
+    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await
 }

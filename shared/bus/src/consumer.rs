@@ -312,6 +312,7 @@ impl FencedConsumer {
             stats: stats.clone(),
             batch_max: config.batch_max.max(1),
             batch_wait: config.batch_wait(),
+            dedup_retention_hours: config.dedup_retention_hours.max(1),
         };
         let span = info_span!("consumer", group = %processor.spec.group);
         let processor = tokio::spawn(processor.run(rx, shutdown).instrument(span));
@@ -378,7 +379,11 @@ struct Processor<H> {
     stats: Arc<ConsumerStats>,
     batch_max: usize,
     batch_wait: Duration,
+    dedup_retention_hours: u32,
 }
+
+/// How often remembered event ids past their retention are deleted.
+const DEDUP_PURGE_EVERY: Duration = Duration::from_secs(600);
 
 /// The outcome of one batch transaction.
 #[derive(Debug, Default)]
@@ -389,9 +394,14 @@ struct Applied {
 
 impl<H: Handler> Processor<H> {
     async fn run(self, mut rx: mpsc::Receiver<OwnedMessage>, shutdown: CancellationToken) {
+        let mut purge = tokio::time::interval(DEDUP_PURGE_EVERY);
         loop {
             let first = tokio::select! {
                 _ = shutdown.cancelled() => break,
+                _ = purge.tick() => {
+                    self.purge_remembered_events().await;
+                    continue;
+                }
                 first = rx.recv() => match first { Some(m) => m, None => break },
             };
             let mut batch = vec![first];
@@ -407,6 +417,32 @@ impl<H: Handler> Processor<H> {
             drop(guard);
         }
         info!("consumer stopped");
+    }
+
+    /// Forgets applied event ids older than the retention, in small deletes so that
+    /// no long transaction competes with the batches.
+    async fn purge_remembered_events(&self) {
+        loop {
+            let deleted = sqlx::query(
+                "DELETE FROM processed_events WHERE ctid IN (SELECT ctid FROM processed_events \
+                 WHERE consumer_group = $1 AND processed_at < now() - make_interval(hours => $2) LIMIT 5000)",
+            )
+            .bind(&self.spec.group)
+            .bind(self.dedup_retention_hours as i32)
+            .execute(&self.pool)
+            .await;
+            match deleted {
+                Ok(result) if result.rows_affected() == 5000 => continue,
+                Ok(result) => {
+                    debug!(deleted = result.rows_affected(), "forgot old event ids");
+                    return;
+                }
+                Err(e) => {
+                    warn!(error = %e, "purging remembered event ids failed; trying again later");
+                    return;
+                }
+            }
+        }
     }
 
     /// Retries a batch that failed for a transient reason until it is applied,

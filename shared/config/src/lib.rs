@@ -94,6 +94,16 @@ pub struct ConsumerConfig {
         default_value_t = 20
     )]
     pub batch_wait_ms: u64,
+
+    /// How long applied event ids are remembered for deduplication, in hours. It
+    /// must outlast any re-send: relays re-send within minutes of a failure.
+    #[arg(
+        id = "consumer_dedup_retention_hours",
+        long = "consumer-dedup-retention-hours",
+        env = "FENCELINE_CONSUMER_DEDUP_RETENTION_HOURS",
+        default_value_t = 168
+    )]
+    pub dedup_retention_hours: u32,
 }
 
 impl ConsumerConfig {

@@ -209,14 +209,16 @@ impl std::fmt::Debug for ServiceApp {
 
 impl ServiceApp {
     /// Starts the shared base and binds the HTTP listener with the health routes
-    /// and `routes`. Background work is added with `app.base.spawn` before `run`.
-    pub async fn build<F>(
+    /// and the service's own, which `routes` makes from the running base (its pool,
+    /// its outbox). Background work is added with `app.base.spawn` before `run`.
+    pub async fn build<R, F>(
         name: &'static str,
         config: &fenceline_config::ServiceConfig,
         migrator: &Migrator,
-        routes: F,
+        routes: R,
     ) -> Result<Self, Error>
     where
+        R: FnOnce(&Base) -> F,
         F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
     {
         config.validate()?;
@@ -226,6 +228,7 @@ impl ServiceApp {
             migrator,
         )
         .await?;
+        let routes = routes(&base);
         let health = health_routes(name, base.readiness.clone(), Some(base.database.pool.clone()));
         let (server, port) = serve(&config.http, move |cfg: &mut web::ServiceConfig| {
             health(cfg);

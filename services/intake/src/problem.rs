@@ -1,0 +1,142 @@
+//! Every error intake answers is `application/problem+json` (RFC 9457) with a stable
+//! `type`; this is the one place that maps errors to status codes.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+
+/// Errors an API call can end in. The `type` of each is a contract with clients.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    #[error("no task {0}")]
+    TaskNotFound(String),
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("the Idempotency-Key header is required")]
+    IdempotencyKeyMissing,
+    #[error("{0}")]
+    IdempotencyKeyInvalid(String),
+    #[error("this Idempotency-Key was used for a different request")]
+    IdempotencyKeyReused,
+    #[error("unknown task kind `{0}`")]
+    UnknownKind(String),
+    #[error("internal error; it was logged")]
+    Internal(#[from] sqlx::Error),
+    #[error("internal error; it was logged")]
+    Bus(#[from] fenceline_bus::Error),
+}
+
+#[derive(Debug, Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    problem_type: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: String,
+}
+
+impl ApiError {
+    /// Do not change: clients branch on these.
+    fn problem_type(&self) -> &'static str {
+        match self {
+            ApiError::Unauthorized => "/problems/unauthorized",
+            ApiError::TaskNotFound(_) => "/problems/task-not-found",
+            ApiError::InvalidRequest(_) => "/problems/invalid-request",
+            ApiError::IdempotencyKeyMissing => "/problems/idempotency-key-missing",
+            ApiError::IdempotencyKeyInvalid(_) => "/problems/idempotency-key-invalid",
+            ApiError::IdempotencyKeyReused => "/problems/idempotency-key-reused",
+            ApiError::UnknownKind(_) => "/problems/unknown-kind",
+            ApiError::Internal(_) | ApiError::Bus(_) => "/problems/internal",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            ApiError::Unauthorized => "Unauthorized",
+            ApiError::TaskNotFound(_) => "Task not found",
+            ApiError::InvalidRequest(_) => "Invalid request",
+            ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => "Invalid Idempotency-Key",
+            ApiError::IdempotencyKeyReused => "Idempotency-Key reused",
+            ApiError::UnknownKind(_) => "Unknown task kind",
+            ApiError::Internal(_) | ApiError::Bus(_) => "Internal error",
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::TaskNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::InvalidRequest(_) | ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        if let ApiError::Internal(e) = self {
+            tracing::error!(error = %e, "request failed on the database");
+        }
+        if let ApiError::Bus(e) = self {
+            tracing::error!(error = %e, "request failed writing its event");
+        }
+        let status = self.status_code();
+        let mut response = HttpResponse::build(status);
+        response.content_type("application/problem+json");
+        if status == StatusCode::UNAUTHORIZED {
+            response.insert_header(("WWW-Authenticate", "Bearer"));
+        }
+        response.json(Problem {
+            problem_type: self.problem_type(),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.to_string(),
+        })
+    }
+}
+
+/// Malformed JSON bodies, path values and oversized bodies answer as problems too.
+pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::HttpRequest) -> actix_web::Error {
+    use actix_web::error::JsonPayloadError;
+    let detail = match &err {
+        JsonPayloadError::OverflowKnownLength { length, limit } => {
+            return payload_too_large(format!("body of {length} bytes is over the limit of {limit}"));
+        }
+        JsonPayloadError::Overflow { limit } => {
+            return payload_too_large(format!("body is over the limit of {limit} bytes"));
+        }
+        JsonPayloadError::ContentType => {
+            return actix_web::error::InternalError::from_response(
+                "",
+                HttpResponse::UnsupportedMediaType().content_type("application/problem+json").json(Problem {
+                    problem_type: "/problems/unsupported-media-type",
+                    title: "Unsupported media type",
+                    status: 415,
+                    detail: "send application/json".into(),
+                }),
+            )
+            .into();
+        }
+        JsonPayloadError::Deserialize(e) => e.to_string(),
+        other => other.to_string(),
+    };
+    ApiError::InvalidRequest(detail).into()
+}
+
+fn payload_too_large(detail: String) -> actix_web::Error {
+    actix_web::error::InternalError::from_response(
+        "",
+        HttpResponse::PayloadTooLarge().content_type("application/problem+json").json(Problem {
+            problem_type: "/problems/payload-too-large",
+            title: "Payload too large",
+            status: 413,
+            detail,
+        }),
+    )
+    .into()
+}

@@ -1,0 +1,421 @@
+//! Submitting and reading tasks. A submission commits the idempotency record, the
+//! task and its `TaskAccepted` event in one transaction and answers at once; reads
+//! come from `task_view`, intake's projection of `fenceline.status`.
+
+use std::collections::BTreeMap;
+
+use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::{Priority, TaskState};
+use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool};
+use time::OffsetDateTime;
+
+use crate::auth::Tenant;
+use crate::problem::ApiError;
+
+/// The body of `POST /v1/tasks`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitTask {
+    pub kind: String,
+    pub input: serde_json::Value,
+    #[serde(default)]
+    pub priority: Option<String>,
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub deadline: Option<OffsetDateTime>,
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub not_before: Option<OffsetDateTime>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A submission that passed every check.
+#[derive(Debug, Clone)]
+pub struct ValidTask {
+    pub kind: String,
+    pub input: serde_json::Value,
+    pub priority: Priority,
+    pub deadline: Option<OffsetDateTime>,
+    pub not_before: Option<OffsetDateTime>,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// An `Idempotency-Key`: 1 to 255 visible ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    pub fn parse(raw: &str) -> Result<Self, ApiError> {
+        if raw.is_empty() || raw.len() > 255 || !raw.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ApiError::IdempotencyKeyInvalid(
+                "Idempotency-Key must be 1 to 255 visible ASCII characters".into(),
+            ));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+}
+
+impl SubmitTask {
+    /// Checks the request against the configured kinds and its own rules.
+    pub fn validate(self, kinds: &[String]) -> Result<ValidTask, ApiError> {
+        if !kinds.contains(&self.kind) {
+            return Err(ApiError::UnknownKind(self.kind));
+        }
+        let priority = match self.priority.as_deref() {
+            None => Priority::Normal,
+            Some(p) => p.parse().map_err(|e: fenceline_domain::vocabulary::UnknownWord| {
+                ApiError::InvalidRequest(format!("priority: {e}"))
+            })?,
+        };
+        if let (Some(deadline), Some(not_before)) = (self.deadline, self.not_before)
+            && deadline <= not_before
+        {
+            return Err(ApiError::InvalidRequest("deadline must be after not_before".into()));
+        }
+        if self.labels.len() > 32 || self.labels.iter().any(|(k, v)| k.is_empty() || k.len() > 64 || v.len() > 256) {
+            return Err(ApiError::InvalidRequest(
+                "labels: at most 32, keys 1 to 64 characters, values at most 256".into(),
+            ));
+        }
+        Ok(ValidTask {
+            kind: self.kind,
+            input: self.input,
+            priority,
+            deadline: self.deadline,
+            not_before: self.not_before,
+            labels: self.labels,
+        })
+    }
+}
+
+impl ValidTask {
+    /// The fingerprint of the canonical request: the same request, however its JSON
+    /// was spelled (key order, spacing), has the same fingerprint.
+    ///
+    /// Do not change: stored fingerprints would stop matching their requests.
+    pub fn fingerprint(&self) -> Vec<u8> {
+        let canonical = serde_json::json!({
+            "kind": self.kind,
+            "input": self.input,
+            "priority": self.priority.as_str(),
+            "deadline": self.deadline.map(|t| Timestamp::from(t).0),
+            "not_before": self.not_before.map(|t| Timestamp::from(t).0),
+            "labels": self.labels,
+        });
+        // serde_json's maps are sorted by key, so the text is canonical.
+        Sha256::digest(canonical.to_string().as_bytes()).to_vec()
+    }
+}
+
+/// What a submission answers, first time and on every replay.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Accepted {
+    pub task_id: TaskId,
+    pub status_url: String,
+}
+
+/// The outcome of a submission.
+#[derive(Debug)]
+pub enum Submitted {
+    Created(Accepted),
+    Replayed(Accepted),
+}
+
+/// Submits `task` under `key` for `tenant`, exactly once per key.
+///
+/// A concurrent request with the same key blocks on the key's unique index until
+/// the first transaction ends, then replays its answer (or, if the first rolled
+/// back, creates the task itself): it never gets a 409.
+pub async fn submit(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    key: &IdempotencyKey,
+    task: ValidTask,
+    source: &str,
+) -> Result<Submitted, ApiError> {
+    let fingerprint = task.fingerprint();
+    let task_id = TaskId::new_v7();
+    let mut tx = pool.begin().await?;
+    let inserted = sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, idempotency_key, fingerprint, task_id) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(tenant.as_str())
+    .bind(&key.0)
+    .bind(&fingerprint)
+    .bind(task_id.as_uuid())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
+            "SELECT fingerprint, task_id FROM idempotency_keys WHERE tenant = $1 AND idempotency_key = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(&key.0)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.rollback().await?;
+        return if stored == fingerprint {
+            Ok(Submitted::Replayed(accepted(TaskId::from_uuid(existing))))
+        } else {
+            Err(ApiError::IdempotencyKeyReused)
+        };
+    }
+    let accepted_at = OffsetDateTime::now_utc();
+    insert_task(&mut tx, tenant, task_id, &task, source, accepted_at).await?;
+    let event = Event::TaskAccepted(TaskAccepted {
+        task_id,
+        tenant: tenant.as_str().to_owned(),
+        kind: task.kind.clone(),
+        input_json: task.input.to_string(),
+        priority: task.priority,
+        deadline: task.deadline.map(Timestamp::from),
+        not_before: task.not_before.map(Timestamp::from),
+        labels: task.labels.clone().into_iter().collect(),
+        source: source.to_owned(),
+        accepted_at: Timestamp::from(accepted_at),
+    });
+    outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    tx.commit().await?;
+    outbox.committed();
+    tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, "task accepted");
+    Ok(Submitted::Created(accepted(task_id)))
+}
+
+fn accepted(task_id: TaskId) -> Accepted {
+    Accepted { task_id, status_url: format!("/v1/tasks/{task_id}") }
+}
+
+async fn insert_task(
+    conn: &mut PgConnection,
+    tenant: &Tenant,
+    task_id: TaskId,
+    task: &ValidTask,
+    source: &str,
+    accepted_at: OffsetDateTime,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, accepted_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(task_id.as_uuid())
+    .bind(tenant.as_str())
+    .bind(&task.kind)
+    .bind(&task.input)
+    .bind(task.priority.as_str())
+    .bind(task.deadline)
+    .bind(task.not_before)
+    .bind(sqlx::types::Json(&task.labels))
+    .bind(source)
+    .bind(accepted_at)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// What `GET /v1/tasks/{id}` shows.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TaskView {
+    pub task_id: TaskId,
+    pub kind: String,
+    pub state: String,
+    pub reason: Option<String>,
+    pub attempt: i32,
+    pub step: Option<String>,
+    pub phase: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub next_attempt_at: Option<OffsetDateTime>,
+    pub result: Option<serde_json::Value>,
+    pub case_id: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated_at: OffsetDateTime,
+    pub version: i64,
+}
+
+type ViewRow = (
+    uuid::Uuid,
+    String,
+    String,
+    Option<String>,
+    i32,
+    Option<String>,
+    Option<String>,
+    Option<OffsetDateTime>,
+    Option<serde_json::Value>,
+    Option<String>,
+    OffsetDateTime,
+    i64,
+);
+
+/// The task as the caller's tenant sees it. Another tenant's task is not found,
+/// exactly like a task that does not exist. A task accepted but not yet projected
+/// reads as `queued`.
+pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<TaskView, ApiError> {
+    let row: Option<ViewRow> = sqlx::query_as(
+        "SELECT task_id, kind, state, reason, attempt, step, phase, next_attempt_at, result, case_id, updated_at, version \
+         FROM task_view WHERE task_id = $1 AND tenant = $2",
+    )
+    .bind(task_id.as_uuid())
+    .bind(tenant.as_str())
+    .fetch_optional(pool)
+    .await?;
+    if let Some((
+        id,
+        kind,
+        state,
+        reason,
+        attempt,
+        step,
+        phase,
+        next_attempt_at,
+        result,
+        case_id,
+        updated_at,
+        version,
+    )) = row
+    {
+        return Ok(TaskView {
+            task_id: TaskId::from_uuid(id),
+            kind,
+            state,
+            reason,
+            attempt,
+            step,
+            phase,
+            next_attempt_at,
+            result,
+            case_id,
+            updated_at,
+            version,
+        });
+    }
+    let accepted: Option<(String, OffsetDateTime)> =
+        sqlx::query_as("SELECT kind, accepted_at FROM tasks WHERE task_id = $1 AND tenant = $2")
+            .bind(task_id.as_uuid())
+            .bind(tenant.as_str())
+            .fetch_optional(pool)
+            .await?;
+    let (kind, accepted_at) = accepted.ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))?;
+    Ok(TaskView {
+        task_id,
+        kind,
+        state: TaskState::Queued.as_str().to_owned(),
+        reason: Some("accepted; not yet scheduled".into()),
+        attempt: 0,
+        step: None,
+        phase: None,
+        next_attempt_at: None,
+        result: None,
+        case_id: None,
+        updated_at: accepted_at,
+        version: 0,
+    })
+}
+
+/// Projects `fenceline.status` into `task_view`: the newest version wins, so a
+/// late or repeated snapshot never moves a task backwards.
+#[derive(Debug, Clone, Default)]
+pub struct StatusProjection;
+
+impl Handler for StatusProjection {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let Event::TaskStatus(status) = &record.envelope.event else {
+            return Err(HandleError::Poison(format!(
+                "{} does not belong on the status topic",
+                record.envelope.event.event_type()
+            )));
+        };
+        sqlx::query(
+            "INSERT INTO task_view (task_id, tenant, kind, state, reason, attempt, step, phase, next_attempt_at, \
+             result, case_id, updated_at, version) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+             ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, reason = EXCLUDED.reason, \
+             attempt = EXCLUDED.attempt, step = EXCLUDED.step, phase = EXCLUDED.phase, \
+             next_attempt_at = EXCLUDED.next_attempt_at, result = EXCLUDED.result, case_id = EXCLUDED.case_id, \
+             updated_at = EXCLUDED.updated_at, version = EXCLUDED.version WHERE task_view.version < EXCLUDED.version",
+        )
+        .bind(status.task_id.as_uuid())
+        .bind(&status.tenant)
+        .bind(&status.kind)
+        .bind(status.state.as_str())
+        .bind(&status.reason)
+        .bind(status.attempt)
+        .bind(&status.step)
+        .bind(status.phase.map(|p| p.as_str()))
+        .bind(status.next_attempt_at.map(Timestamp::to_datetime))
+        .bind(
+            status
+                .result
+                .as_ref()
+                .map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes})),
+        )
+        .bind(&status.case_id)
+        .bind(status.updated_at.to_datetime())
+        .bind(status.version)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Deletes idempotency records older than the retention; returns how many.
+pub async fn purge_idempotency_keys(pool: &PgPool, retention_hours: u32) -> Result<u64, sqlx::Error> {
+    let result = sqlx::query("DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(hours => $1)")
+        .bind(retention_hours as i32)
+        .execute(pool)
+        .await?;
+    Ok(result.rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(json: &str) -> SubmitTask {
+        serde_json::from_str(json).expect("valid request JSON")
+    }
+
+    fn kinds() -> Vec<String> {
+        vec!["image.generate".into()]
+    }
+
+    #[test]
+    fn the_same_request_spelled_differently_has_the_same_fingerprint() {
+        let a = request(r#"{"kind":"image.generate","input":{"a":1,"b":[1,2]}}"#).validate(&kinds()).expect("valid");
+        let b = request(r#"{ "input": {"b":[1,2], "a":1}, "kind":"image.generate", "priority":"normal" }"#)
+            .validate(&kinds())
+            .expect("valid");
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let c = request(r#"{"kind":"image.generate","input":{"a":2,"b":[1,2]}}"#).validate(&kinds()).expect("valid");
+        assert_ne!(a.fingerprint(), c.fingerprint());
+    }
+
+    #[test]
+    fn bad_requests_are_refused_with_a_reason() {
+        let unknown = request(r#"{"kind":"nope","input":{}}"#).validate(&kinds()).expect_err("unknown kind");
+        assert!(matches!(unknown, ApiError::UnknownKind(_)));
+        let priority =
+            request(r#"{"kind":"image.generate","input":{},"priority":"urgent"}"#).validate(&kinds()).expect_err("p");
+        assert!(priority.to_string().contains("priority"), "{priority}");
+        let window = request(
+            r#"{"kind":"image.generate","input":{},"deadline":"2026-01-01T00:00:00Z","not_before":"2026-01-02T00:00:00Z"}"#,
+        )
+        .validate(&kinds())
+        .expect_err("window");
+        assert!(window.to_string().contains("deadline"));
+        assert!(serde_json::from_str::<SubmitTask>(r#"{"kind":"x","input":{},"extra":1}"#).is_err());
+    }
+
+    #[test]
+    fn idempotency_keys_are_bounded_visible_ascii() {
+        assert!(IdempotencyKey::parse("order-81723/v1").is_ok());
+        for bad in ["", "with space", "ü", &"k".repeat(256)] {
+            assert!(IdempotencyKey::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! Intake's task API over real HTTP, against the real Postgres and broker.
+
+use std::time::Duration;
+
+use fenceline_events::topics;
+use fenceline_intake::auth::{Tenant, create_token};
+use fenceline_tests::*;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// A running intake and two tenants' tokens.
+struct Intake {
+    base: String,
+    pool: sqlx::PgPool,
+    prefix: String,
+    acme: String,
+    globex: String,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Intake {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn start_intake() -> Intake {
+    let url = fresh_database().await;
+    let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;
+    let config = fenceline_intake::Config {
+        service: service_config(&url, &prefix, "intake"),
+        intake: fenceline_intake::IntakeConfig {
+            kinds: vec!["image.generate".into(), "ticket.triage".into()],
+            idempotency_retention_hours: 24,
+            body_limit_bytes: 4096,
+        },
+    };
+    let app = fenceline_intake::build(config).await.expect("intake starts");
+    let pool = app.base.database.pool.clone();
+    let base = format!("http://127.0.0.1:{}", app.port());
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(app.run_until(async move { stop.cancelled().await }));
+    let (_, acme) = create_token(&pool, &Tenant::parse("acme").expect("tenant"), "test").await.expect("token");
+    let (_, globex) = create_token(&pool, &Tenant::parse("globex").expect("tenant"), "test").await.expect("token");
+    Intake { base, pool, prefix, acme, globex, shutdown }
+}
+
+/// (status, headers we look at, body) of one request.
+#[derive(Debug, Clone)]
+struct Answer {
+    status: u16,
+    content_type: String,
+    location: Option<String>,
+    replayed: bool,
+    body: Value,
+}
+
+async fn call(method: &str, url: String, token: Option<String>, key: Option<&str>, body: Option<String>) -> Answer {
+    let method = method.to_owned();
+    let key = key.map(str::to_owned);
+    tokio::task::spawn_blocking(move || {
+        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+        let mut request = ureq::http::Request::builder().method(method.as_str()).uri(&url);
+        if let Some(token) = token {
+            request = request.header("Authorization", format!("Bearer {token}"));
+        }
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        let response = match body {
+            Some(body) => agent
+                .run(request.header("Content-Type", "application/json").body(body).expect("request"))
+                .expect("answer"),
+            None => agent.run(request.body(()).expect("request")).expect("answer"),
+        };
+        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (status, content_type, location, replayed) = (
+            response.status().as_u16(),
+            header("content-type").unwrap_or_default(),
+            header("location"),
+            header("idempotent-replayed").as_deref() == Some("true"),
+        );
+        let text = response.into_body().read_to_string().unwrap_or_default();
+        Answer { status, content_type, location, replayed, body: serde_json::from_str(&text).unwrap_or(Value::Null) }
+    })
+    .await
+    .expect("client thread")
+}
+
+fn image(prompt: &str) -> String {
+    json!({"kind": "image.generate", "input": {"prompt": prompt}, "labels": {"shop": "42"}}).to_string()
+}
+
+async fn task_rows(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tasks").fetch_one(pool).await.expect("count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submission_is_accepted_at_once_and_reads_as_queued() {
+    let intake = start_intake().await;
+    let answer = call(
+        "POST",
+        format!("{}/v1/tasks", intake.base),
+        Some(intake.acme.clone()),
+        Some("k1"),
+        Some(image("red shoe")),
+    )
+    .await;
+    assert_eq!(answer.status, 202, "{:?}", answer.body);
+    let task_id = answer.body["task_id"].as_str().expect("task id").to_owned();
+    assert_eq!(answer.location.as_deref(), Some(format!("/v1/tasks/{task_id}").as_str()));
+    assert_eq!(answer.body["status_url"], format!("/v1/tasks/{task_id}"));
+    assert!(!answer.replayed);
+
+    let read = call("GET", format!("{}/v1/tasks/{task_id}", intake.base), Some(intake.acme.clone()), None, None).await;
+    assert_eq!(read.status, 200);
+    assert_eq!(read.body["state"], "queued", "accepted but not yet projected reads as queued");
+
+    // The TaskAccepted event reached fenceline.tasks through the outbox.
+    let (brokers, topic) = (brokers(), topics::named(&intake.prefix, topics::TASKS));
+    let records = tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, 1, Duration::from_secs(30)))
+        .await
+        .expect("reader");
+    assert_eq!(records.len(), 1);
+    let event =
+        fenceline_events::decode(rdkafka::message::Message::payload(&records[0]).expect("value")).expect("decodes");
+    let fenceline_events::Event::TaskAccepted(accepted) = event else { panic!("not TaskAccepted") };
+    assert_eq!(accepted.task_id.to_string(), task_id);
+    assert_eq!(accepted.tenant, "acme");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_replays_the_same_task_and_a_different_request_is_refused() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let first = call("POST", url.clone(), Some(intake.acme.clone()), Some("order-7"), Some(image("red shoe"))).await;
+    // Same request, spelled differently.
+    let same = json!({"labels": {"shop": "42"}, "input": {"prompt": "red shoe"}, "kind": "image.generate", "priority": "normal"});
+    let again = call("POST", url.clone(), Some(intake.acme.clone()), Some("order-7"), Some(same.to_string())).await;
+    assert_eq!((again.status, again.replayed), (202, true));
+    assert_eq!(again.body["task_id"], first.body["task_id"]);
+
+    let other = call("POST", url.clone(), Some(intake.acme.clone()), Some("order-7"), Some(image("blue shoe"))).await;
+    assert_eq!(other.status, 422);
+    assert_eq!(other.content_type, "application/problem+json");
+    assert_eq!(other.body["type"], "/problems/idempotency-key-reused");
+    assert_eq!(task_rows(&intake.pool).await, 1, "no second task");
+
+    // Keys are scoped per tenant: another tenant's same key is its own task.
+    let globex = call("POST", url, Some(intake.globex.clone()), Some("order-7"), Some(image("blue shoe"))).await;
+    assert_eq!((globex.status, globex.replayed), (202, false));
+    assert_ne!(globex.body["task_id"], first.body["task_id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_identical_submissions_in_parallel_make_one_task() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let calls: Vec<_> = (0..10)
+        .map(|_| {
+            tokio::spawn(call("POST", url.clone(), Some(intake.acme.clone()), Some("burst"), Some(image("burst"))))
+        })
+        .collect();
+    let mut ids = std::collections::HashSet::new();
+    let mut replayed = 0;
+    for c in calls {
+        let answer = c.await.expect("call");
+        assert_eq!(answer.status, 202, "{:?}", answer.body);
+        ids.insert(answer.body["task_id"].as_str().expect("id").to_owned());
+        replayed += usize::from(answer.replayed);
+    }
+    assert_eq!(ids.len(), 1, "ten answers with one task id");
+    assert_eq!(replayed, 9, "one created, nine replayed");
+    assert_eq!(task_rows(&intake.pool).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_scope_every_read_to_the_callers_tenant() {
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
+    let task_url = format!("{}/v1/tasks/{}", intake.base, created.body["task_id"].as_str().expect("id"));
+
+    let missing = call("GET", task_url.clone(), None, None, None).await;
+    assert_eq!((missing.status, missing.body["type"].as_str()), (401, Some("/problems/unauthorized")));
+    let bad = call("GET", task_url.clone(), Some("fl_not-a-token".into()), None, None).await;
+    assert_eq!(bad.status, 401);
+    let foreign = call("GET", task_url, Some(intake.globex.clone()), None, None).await;
+    let nowhere = call(
+        "GET",
+        format!("{}/v1/tasks/{}", intake.base, uuid::Uuid::now_v7()),
+        Some(intake.globex.clone()),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(foreign.status, 404, "another tenant's task is not found");
+    assert_eq!(
+        (foreign.body["type"].clone(), nowhere.status),
+        (nowhere.body["type"].clone(), 404),
+        "exactly like none"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_problem_never_a_500() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let token = Some(intake.acme.clone());
+    let cases = [
+        (Some("k1"), "{not json".to_owned(), 400, "/problems/invalid-request"),
+        (Some("k2"), json!({"kind": "image.generate"}).to_string(), 400, "/problems/invalid-request"),
+        (Some("k3"), json!({"kind": "video.make", "input": {}}).to_string(), 422, "/problems/unknown-kind"),
+        (None, image("x"), 400, "/problems/idempotency-key-missing"),
+        (Some("k4"), image(&"x".repeat(5000)), 413, "/problems/payload-too-large"),
+    ];
+    for (key, body, status, problem) in cases {
+        let answer = call("POST", url.clone(), token.clone(), key, Some(body.clone())).await;
+        assert_eq!(answer.status, status, "{body:.60}: {:?}", answer.body);
+        assert_eq!(answer.content_type, "application/problem+json", "{body:.60}");
+        assert_eq!(answer.body["type"], problem, "{body:.60}");
+    }
+    let missing_field =
+        call("POST", url.clone(), token.clone(), Some("k5"), Some(json!({"kind": "image.generate"}).to_string())).await;
+    assert!(
+        missing_field.body["detail"].as_str().unwrap_or_default().contains("input"),
+        "names the field: {:?}",
+        missing_field.body
+    );
+    let bad_id = call("GET", format!("{url}/not-a-uuid"), token, None, None).await;
+    assert_eq!(bad_id.status, 404);
+    assert_eq!(task_rows(&intake.pool).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_follow_the_status_topic_and_never_go_backwards() {
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
+    let task_id: fenceline_domain::ids::TaskId = created.body["task_id"].as_str().expect("id").parse().expect("uuid");
+    // A scheduler-like publisher of status snapshots, newest first then a stale one.
+    let db = fenceline_store::connect(
+        &postgres(&database_url_of(&intake.pool).await, "publisher"),
+        "publisher",
+        &[&fenceline_bus::MIGRATOR],
+    )
+    .await
+    .expect("publisher schema");
+    let writer = fenceline_bus::OutboxWriter::new("publisher", intake.prefix.clone(), outbox_config().shards);
+    let shutdown = CancellationToken::new();
+    let relay = fenceline_bus::Relay::new(
+        "publisher-relay",
+        db.pool.clone(),
+        db.options.clone(),
+        &kafka(&intake.prefix),
+        outbox_config(),
+        &writer,
+    )
+    .expect("relay");
+    tokio::spawn(relay.run(shutdown.clone()));
+    let mut running = status_event(task_id, 2);
+    let mut stale = status_event(task_id, 1);
+    if let (fenceline_events::Event::TaskStatus(r), fenceline_events::Event::TaskStatus(s)) = (&mut running, &mut stale)
+    {
+        r.tenant = "acme".into();
+        r.kind = "image.generate".into();
+        r.step = Some("render".into());
+        s.tenant = "acme".into();
+        s.state = fenceline_domain::vocabulary::TaskState::Queued;
+    }
+    write_outbox(&db.pool, &writer, topics::STATUS, &[running, stale], 10).await;
+
+    let task_url = format!("{}/v1/tasks/{task_id}", intake.base);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let read = call("GET", task_url.clone(), Some(intake.acme.clone()), None, None).await;
+        if read.body["version"] == 2 {
+            assert_eq!(read.body["state"], "running");
+            assert_eq!(read.body["step"], "render");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "status never projected: {:?}", read.body);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let read = call("GET", task_url, Some(intake.acme.clone()), None, None).await;
+    assert_eq!(
+        (read.body["version"].clone(), read.body["state"].clone()),
+        (json!(2), json!("running")),
+        "the stale snapshot did not win"
+    );
+    shutdown.cancel();
+}
+
+/// The URL of the database `pool` is connected to.
+async fn database_url_of(pool: &sqlx::PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.expect("name");
+    let admin = admin_database_url();
+    let (base, _) = admin.rsplit_once('/').expect("path");
+    format!("{base}/{name}")
+}

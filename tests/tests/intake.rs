@@ -300,3 +300,100 @@ async fn database_url_of(pool: &sqlx::PgPool) -> String {
     let (base, _) = admin.rsplit_once('/').expect("path");
     format!("{base}/{name}")
 }
+
+/// Events intake wrote to fenceline.tasks, by type, read as the scheduler would.
+async fn task_events(intake: &Intake, expected: usize) -> Vec<fenceline_events::Event> {
+    let (brokers, topic) = (brokers(), topics::named(&intake.prefix, topics::TASKS));
+    let records = tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, expected, Duration::from_secs(30)))
+        .await
+        .expect("reader");
+    records
+        .iter()
+        .filter_map(|r| rdkafka::message::Message::payload(r).and_then(|p| fenceline_events::decode(p).ok()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_and_signals_are_sent_once_however_often_they_are_asked() {
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
+    let task = format!("{}/v1/tasks/{}", intake.base, created.body["task_id"].as_str().expect("id"));
+    let token = Some(intake.acme.clone());
+
+    for repeated in [false, true] {
+        let cancel = call("POST", format!("{task}/cancel"), token.clone(), None, None).await;
+        assert_eq!((cancel.status, cancel.body["repeated"].as_bool()), (202, Some(repeated)));
+        let approve = call(
+            "POST",
+            format!("{task}/signals/approve"),
+            token.clone(),
+            None,
+            Some(json!({"approved": true}).to_string()),
+        )
+        .await;
+        assert_eq!((approve.status, approve.body["repeated"].as_bool()), (202, Some(repeated)), "{:?}", approve.body);
+    }
+    let other =
+        call("POST", format!("{task}/signals/approve"), token.clone(), Some("second-approval"), Some("{}".into()))
+            .await;
+    assert_eq!(other.body["repeated"], false, "a signal with its own key is a new signal");
+    let bad = call("POST", format!("{task}/signals/approve"), token.clone(), None, Some("{oops".into())).await;
+    assert_eq!((bad.status, bad.body["type"].as_str()), (400, Some("/problems/invalid-request")));
+    let foreign = call("POST", format!("{task}/cancel"), Some(intake.globex.clone()), None, None).await;
+    assert_eq!(foreign.status, 404);
+
+    let events = task_events(&intake, 4).await;
+    let count = |t: &str| events.iter().filter(|e| e.event_type() == t).count();
+    assert_eq!((count("TaskAccepted"), count("CancelRequested"), count("SignalReceived")), (1, 1, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_outcome_unknown_task_is_resolved_and_retrying_needs_the_charge_acknowledged() {
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
+    let task_id = created.body["task_id"].as_str().expect("id").to_owned();
+    let url = format!("{}/v1/tasks/{task_id}/resolution", intake.base);
+    let token = Some(intake.acme.clone());
+
+    let early =
+        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "accept_failed"}).to_string())).await;
+    assert_eq!((early.status, early.body["type"].as_str()), (409, Some("/problems/not-resolvable")));
+
+    // The scheduler (simulated here) declared the outcome unknown.
+    sqlx::query(
+        "INSERT INTO task_view (task_id, tenant, kind, state, attempt, case_id, updated_at, version) \
+         VALUES ($1, 'acme', 'image.generate', 'outcome_unknown', 1, 'case-1', now(), 5)",
+    )
+    .bind(uuid::Uuid::parse_str(&task_id).expect("uuid"))
+    .execute(&intake.pool)
+    .await
+    .expect("view row");
+
+    let unacknowledged =
+        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "retry_as_new"}).to_string())).await;
+    assert_eq!(unacknowledged.status, 400);
+    assert!(unacknowledged.body["detail"].as_str().unwrap_or_default().contains("acknowledge_possible_charge"));
+    let no_result =
+        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "attach_result"}).to_string())).await;
+    assert_eq!(no_result.status, 400);
+
+    let retry = json!({"action": "retry_as_new", "acknowledge_possible_charge": true}).to_string();
+    let first = call("POST", url.clone(), token.clone(), None, Some(retry.clone())).await;
+    assert_eq!((first.status, first.body["repeated"].as_bool()), (202, Some(false)), "{:?}", first.body);
+    let second = call("POST", url.clone(), token.clone(), None, Some(retry)).await;
+    assert_eq!(second.body["repeated"], true, "carried out once per case");
+
+    let events = task_events(&intake, 2).await;
+    let resolutions: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            fenceline_events::Event::ResolutionDecided(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resolutions.len(), 1);
+    assert_eq!(resolutions[0].case_id, "case-1");
+    assert!(resolutions[0].charge_acknowledged);
+}

@@ -1,6 +1,7 @@
 //! Intake: the front door. Idempotent submission over HTTP, signed webhooks and the
 //! upstream intake topic; the `task_view` read model.
 
+pub mod actions;
 pub mod auth;
 pub mod problem;
 pub mod tasks;
@@ -78,8 +79,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             cfg.app_data(pool.clone())
                 .app_data(state.clone())
                 .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
+                .app_data(web::PayloadConfig::new(body_limit))
                 .route("/v1/tasks", web::post().to(submit))
-                .route("/v1/tasks/{task_id}", web::get().to(read));
+                .route("/v1/tasks/{task_id}", web::get().to(read))
+                .route("/v1/tasks/{task_id}/cancel", web::post().to(cancel))
+                .route("/v1/tasks/{task_id}/signals/{name}", web::post().to(signal))
+                .route("/v1/tasks/{task_id}/resolution", web::post().to(resolve));
         }
     })
     .await?;
@@ -149,7 +154,63 @@ async fn submit(
     Ok(response.json(accepted))
 }
 
+/// A task id from the path; anything else names no task.
+fn task_id(raw: &str) -> Result<TaskId, ApiError> {
+    raw.parse().map_err(|_| ApiError::TaskNotFound(raw.to_owned()))
+}
+
+/// Who asked, for the audit trail: the tenant, never the token itself.
+fn who(caller: &Caller) -> String {
+    format!("tenant:{}", caller.0.as_str())
+}
+
 async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    let task_id: TaskId = path.parse().map_err(|_| ApiError::TaskNotFound(path.into_inner()))?;
-    Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id).await?))
+    Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id(&path)?).await?))
+}
+
+async fn cancel(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let accepted = actions::cancel(&pool, &state.outbox, &caller.0, task_id(&path)?, &who(&caller)).await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+async fn signal(
+    req: HttpRequest,
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<(String, String)>,
+    body: web::Bytes,
+) -> Result<HttpResponse, ApiError> {
+    let (raw_id, name) = path.into_inner();
+    let name = actions::parse_signal_name(&name)?;
+    let key = match req.headers().get("Idempotency-Key") {
+        Some(value) => Some(IdempotencyKey::parse(value.to_str().unwrap_or_default())?),
+        None => None,
+    };
+    // A signal may carry no body at all; a body that is there must be JSON.
+    let payload = if body.iter().all(u8::is_ascii_whitespace) {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("signal payload: {e}")))?
+    };
+    let key = key.as_ref().map(IdempotencyKey::as_str);
+    let accepted = actions::signal(&pool, &state.outbox, &caller.0, task_id(&raw_id)?, name, key, &payload).await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+async fn resolve(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+    body: web::Json<actions::Resolve>,
+) -> Result<HttpResponse, ApiError> {
+    let request = body.into_inner();
+    let accepted = actions::resolve(&pool, &state.outbox, &caller.0, task_id(&path)?, &who(&caller), request).await?;
+    Ok(HttpResponse::Accepted().json(accepted))
 }

@@ -22,6 +22,8 @@ pub enum ApiError {
     IdempotencyKeyReused,
     #[error("unknown task kind `{0}`")]
     UnknownKind(String),
+    #[error("{0}")]
+    NotResolvable(String),
     #[error("internal error; it was logged")]
     Internal(#[from] sqlx::Error),
     #[error("internal error; it was logged")]
@@ -48,6 +50,7 @@ impl ApiError {
             ApiError::IdempotencyKeyInvalid(_) => "/problems/idempotency-key-invalid",
             ApiError::IdempotencyKeyReused => "/problems/idempotency-key-reused",
             ApiError::UnknownKind(_) => "/problems/unknown-kind",
+            ApiError::NotResolvable(_) => "/problems/not-resolvable",
             ApiError::Internal(_) | ApiError::Bus(_) => "/problems/internal",
         }
     }
@@ -60,6 +63,7 @@ impl ApiError {
             ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => "Invalid Idempotency-Key",
             ApiError::IdempotencyKeyReused => "Idempotency-Key reused",
             ApiError::UnknownKind(_) => "Unknown task kind",
+            ApiError::NotResolvable(_) => "Task cannot be resolved",
             ApiError::Internal(_) | ApiError::Bus(_) => "Internal error",
         }
     }
@@ -74,6 +78,7 @@ impl ResponseError for ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::NotResolvable(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

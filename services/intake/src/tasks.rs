@@ -56,6 +56,10 @@ impl IdempotencyKey {
         }
         Ok(Self(raw.to_owned()))
     }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
 }
 
 impl SubmitTask {

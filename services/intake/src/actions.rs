@@ -1,0 +1,220 @@
+//! What a client may ask of an accepted task: cancel it, signal it (an approval),
+//! resolve an `outcome_unknown` case. Each request becomes one event on
+//! `fenceline.tasks` for the scheduler, the authority on task state; a repeated
+//! request finds its earlier row and sends nothing again.
+
+use fenceline_bus::OutboxWriter;
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::{ResolutionAction, TaskState};
+use fenceline_events::{ArtifactRef, CancelRequested, Event, ResolutionDecided, SignalReceived, Timestamp, topics};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+
+use crate::auth::Tenant;
+use crate::problem::ApiError;
+
+/// The answer to every action: what was asked, and whether this request repeated
+/// an earlier one (then nothing new was sent).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ActionAccepted {
+    pub task_id: TaskId,
+    pub action: String,
+    pub repeated: bool,
+}
+
+/// Locks the caller's task row, or answers 404 exactly as for a task that does not exist.
+async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<(), ApiError> {
+    let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM tasks WHERE task_id = $1 AND tenant = $2 FOR UPDATE")
+        .bind(task_id.as_uuid())
+        .bind(tenant.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+    found.map(|_| ()).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
+}
+
+/// Asks for the task to be cancelled (cooperatively, if it runs).
+pub async fn cancel(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    task_id: TaskId,
+    who: &str,
+) -> Result<ActionAccepted, ApiError> {
+    let mut tx = pool.begin().await?;
+    lock_task(&mut tx, tenant, task_id).await?;
+    let fresh = sqlx::query("INSERT INTO cancellations (task_id, requested_by) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+        .bind(task_id.as_uuid())
+        .bind(who)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+        == 1;
+    if fresh {
+        let event = Event::CancelRequested(CancelRequested {
+            task_id,
+            tenant: tenant.as_str().to_owned(),
+            requested_by: who.to_owned(),
+            requested_at: Timestamp::now(),
+        });
+        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    }
+    tx.commit().await?;
+    outbox.committed();
+    Ok(ActionAccepted { task_id, action: "cancel".into(), repeated: !fresh })
+}
+
+/// A signal name: what a step waits for, such as `approve`.
+pub fn parse_signal_name(name: &str) -> Result<&str, ApiError> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-' || c == '.');
+    if valid { Ok(name) } else { Err(ApiError::InvalidRequest(format!("`{name}` is not a valid signal name"))) }
+}
+
+/// Delivers a signal. Its identity is the `Idempotency-Key` if given, else the
+/// payload itself: the same approval sent twice is one signal.
+pub async fn signal(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    task_id: TaskId,
+    name: &str,
+    key: Option<&str>,
+    payload: &serde_json::Value,
+) -> Result<ActionAccepted, ApiError> {
+    let signal_id = match key {
+        Some(key) => key.to_owned(),
+        None => hex::encode(Sha256::digest(payload.to_string().as_bytes())),
+    };
+    let mut tx = pool.begin().await?;
+    lock_task(&mut tx, tenant, task_id).await?;
+    let fresh = sqlx::query(
+        "INSERT INTO signals (task_id, signal_name, signal_id, payload) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+    )
+    .bind(task_id.as_uuid())
+    .bind(name)
+    .bind(&signal_id)
+    .bind(payload)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if fresh {
+        let event = Event::SignalReceived(SignalReceived {
+            task_id,
+            tenant: tenant.as_str().to_owned(),
+            signal_name: name.to_owned(),
+            signal_id,
+            payload_json: payload.to_string(),
+            received_at: Timestamp::now(),
+        });
+        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    }
+    tx.commit().await?;
+    outbox.committed();
+    Ok(ActionAccepted { task_id, action: format!("signal:{name}"), repeated: !fresh })
+}
+
+/// The body of `POST /v1/tasks/{id}/resolution`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resolve {
+    /// `retry_as_new`, `accept_failed` or `attach_result`.
+    pub action: String,
+    /// Must be `true` for `retry_as_new`: the new operation may be billed again.
+    #[serde(default)]
+    pub acknowledge_possible_charge: bool,
+    /// For `attach_result`: the result found elsewhere.
+    #[serde(default)]
+    pub result: Option<AttachedResult>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachedResult {
+    pub uri: String,
+    pub sha256: String,
+    pub size_bytes: i64,
+}
+
+/// Records a person's resolution of the task's `outcome_unknown` case, once per case.
+pub async fn resolve(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    task_id: TaskId,
+    who: &str,
+    request: Resolve,
+) -> Result<ActionAccepted, ApiError> {
+    let action: ResolutionAction =
+        request.action.parse().map_err(|e| ApiError::InvalidRequest(format!("action: {e}")))?;
+    if action == ResolutionAction::RetryAsNew && !request.acknowledge_possible_charge {
+        return Err(ApiError::InvalidRequest(
+            "retry_as_new starts a new operation that the provider may bill again; \
+             send acknowledge_possible_charge: true to confirm"
+                .into(),
+        ));
+    }
+    let attached = match (action, request.result) {
+        (ResolutionAction::AttachResult, Some(r)) => {
+            let hex_ok =
+                r.sha256.len() == 64 && r.sha256.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
+            if !hex_ok || r.size_bytes < 0 || r.uri.is_empty() {
+                return Err(ApiError::InvalidRequest("result needs a uri, a lower-case hex sha256 and a size".into()));
+            }
+            Some(ArtifactRef { uri: r.uri, sha256: r.sha256, size_bytes: r.size_bytes })
+        }
+        (ResolutionAction::AttachResult, None) => {
+            return Err(ApiError::InvalidRequest("attach_result needs a result".into()));
+        }
+        (_, Some(_)) => return Err(ApiError::InvalidRequest("only attach_result takes a result".into())),
+        (_, None) => None,
+    };
+    let mut tx = pool.begin().await?;
+    lock_task(&mut tx, tenant, task_id).await?;
+    let view: Option<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, case_id FROM task_view WHERE task_id = $1")
+            .bind(task_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await?;
+    let (state, case_id) = view.unwrap_or((TaskState::Queued.as_str().to_owned(), None));
+    let case_id = match (state.as_str(), case_id) {
+        (s, Some(case)) if s == TaskState::OutcomeUnknown.as_str() => case,
+        _ => {
+            return Err(ApiError::NotResolvable(format!(
+                "task {task_id} is {state}; only a task in outcome_unknown can be resolved"
+            )));
+        }
+    };
+    let fresh = sqlx::query(
+        "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by) \
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+    )
+    .bind(task_id.as_uuid())
+    .bind(&case_id)
+    .bind(action.as_str())
+    .bind(request.acknowledge_possible_charge)
+    .bind(attached.as_ref().map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes})))
+    .bind(who)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if fresh {
+        let event = Event::ResolutionDecided(ResolutionDecided {
+            task_id,
+            tenant: tenant.as_str().to_owned(),
+            case_id,
+            action,
+            charge_acknowledged: request.acknowledge_possible_charge,
+            attached_result: attached,
+            decided_by: who.to_owned(),
+            decided_at: Timestamp::now(),
+        });
+        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    }
+    tx.commit().await?;
+    outbox.committed();
+    Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: !fresh })
+}

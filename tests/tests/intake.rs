@@ -397,3 +397,108 @@ async fn only_an_outcome_unknown_task_is_resolved_and_retrying_needs_the_charge_
     assert_eq!(resolutions[0].case_id, "case-1");
     assert!(resolutions[0].charge_acknowledged);
 }
+
+/// Produces a `TaskRequest` record to the upstream topic, as another system would.
+async fn produce_request(intake: &Intake, request: fenceline_events::TaskRequest) -> Vec<u8> {
+    let event = fenceline_events::Event::TaskRequest(request);
+    let (bytes, fp) = fenceline_events::encode(&event).expect("encode");
+    let headers = fenceline_events::Headers {
+        event_id: fenceline_domain::ids::EventId::new_v7(),
+        event_type: "TaskRequest".into(),
+        schema_fingerprint: hex_of(&fp),
+        producer: "helpdesk".into(),
+        produced_at: fenceline_events::Timestamp::now(),
+        traceparent: None,
+    };
+    let pairs = headers.to_pairs();
+    let refs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    produce_raw(&brokers(), &topics::named(&intake.prefix, topics::INTAKE_REQUESTS), b"ticket", &bytes, &refs).await;
+    bytes
+}
+
+fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn ticket(source_event_id: &str, tenant: &str, kind: &str, input_json: &str) -> fenceline_events::TaskRequest {
+    fenceline_events::TaskRequest {
+        source: "helpdesk".into(),
+        source_event_id: source_event_id.into(),
+        tenant: tenant.into(),
+        kind: kind.into(),
+        input_json: input_json.into(),
+        priority: fenceline_domain::vocabulary::Priority::Normal,
+        deadline: None,
+        not_before: None,
+        labels: Default::default(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_their_bytes() {
+    let url = fresh_database().await;
+    let prefix = fresh_topics_with(&[
+        topics::TASKS,
+        topics::STATUS,
+        topics::DEADLETTER,
+        topics::INTAKE_REQUESTS,
+        topics::INTAKE_REJECTED,
+    ])
+    .await;
+    let config = fenceline_intake::Config {
+        service: service_config(&url, &prefix, "intake"),
+        intake: fenceline_intake::IntakeConfig {
+            kinds: vec!["ticket.triage".into()],
+            idempotency_retention_hours: 24,
+            body_limit_bytes: 4096,
+        },
+    };
+    let app = fenceline_intake::build(config).await.expect("intake starts");
+    let pool = app.base.database.pool.clone();
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(app.run_until(async move { stop.cancelled().await }));
+    create_token(&pool, &Tenant::parse("acme").expect("tenant"), "test").await.expect("tenant");
+    let intake = Intake {
+        base: String::new(),
+        pool: pool.clone(),
+        prefix: prefix.clone(),
+        acme: String::new(),
+        globex: String::new(),
+        shutdown,
+    };
+
+    produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await;
+    produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await; // redelivered
+    produce_request(&intake, ticket("t-2", "acme", "ticket.triage", r#"{"ticket":2}"#)).await;
+    let bad_kind = produce_request(&intake, ticket("t-3", "acme", "video.make", "{}")).await;
+    produce_request(&intake, ticket("t-4", "nobody", "ticket.triage", "{}")).await;
+    produce_raw(&brokers(), &topics::named(&prefix, topics::INTAKE_REQUESTS), b"ticket", b"\x00garbage", &[]).await;
+    produce_request(&intake, ticket("t-5", "acme", "ticket.triage", r#"{"ticket":5}"#)).await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while task_rows(&pool).await < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "requests never became tasks");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (brokers, rejected_topic) = (brokers(), topics::named(&prefix, topics::INTAKE_REJECTED));
+    let rejected =
+        tokio::task::spawn_blocking(move || read_topic(&brokers, &rejected_topic, 3, Duration::from_secs(30)))
+            .await
+            .expect("reader");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(task_rows(&pool).await, 3, "t-1 once, t-2, t-5; the partition kept moving past the bad records");
+    let answers: Vec<fenceline_events::RequestRejected> = rejected
+        .iter()
+        .filter_map(|r| match fenceline_events::decode(rdkafka::message::Message::payload(r).expect("value")) {
+            Ok(fenceline_events::Event::RequestRejected(r)) => Some(r),
+            _ => None,
+        })
+        .collect();
+    let by_type =
+        |t: &str| answers.iter().find(|a| a.problem_type == t).unwrap_or_else(|| panic!("no {t} answer: {answers:?}"));
+    assert_eq!(by_type("unknown-kind").original.0, bad_kind, "the original bytes");
+    assert_eq!(by_type("unknown-tenant").source_event_id.as_deref(), Some("t-4"));
+    assert_eq!(by_type("invalid-record").original.0, b"\x00garbage");
+    assert_eq!(answers.len(), 3);
+}

@@ -5,6 +5,7 @@ pub mod actions;
 pub mod auth;
 pub mod problem;
 pub mod tasks;
+pub mod upstream;
 
 use std::time::Duration;
 
@@ -108,6 +109,23 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         app.base.shutdown.child_token(),
     )?;
     app.base.spawn(async move { consumer.join().await });
+
+    let prefix = &config.service.kafka.topic_prefix;
+    let requests = FencedConsumer::spawn(
+        ConsumerSpec {
+            group: format!("{prefix}{NAME}.requests"),
+            topics: vec![fenceline_events::topics::named(prefix, fenceline_events::topics::INTAKE_REQUESTS)],
+            instance: format!("{NAME}-{}", uuid::Uuid::now_v7().simple()),
+            drain_grace: config.service.http.shutdown_grace(),
+        },
+        &config.service.kafka,
+        &config.service.consumer,
+        pool.clone(),
+        app.base.outbox.clone(),
+        upstream::UpstreamRequests { kinds: config.intake.kinds.clone() },
+        app.base.shutdown.child_token(),
+    )?;
+    app.base.spawn(async move { requests.join().await });
 
     let retention = config.intake.idempotency_retention_hours;
     let shutdown = app.base.shutdown.child_token();

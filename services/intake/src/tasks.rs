@@ -141,9 +141,27 @@ pub async fn submit(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
+    let mut tx = pool.begin().await?;
+    let submitted = submit_in(&mut tx, outbox, tenant, key, task, source).await?;
+    tx.commit().await?;
+    if matches!(submitted, Submitted::Created(_)) {
+        outbox.committed();
+    }
+    Ok(submitted)
+}
+
+/// The submission inside the caller's transaction (the upstream topic's consumer
+/// submits inside its batch transaction).
+pub async fn submit_in(
+    conn: &mut PgConnection,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    key: &IdempotencyKey,
+    task: ValidTask,
+    source: &str,
+) -> Result<Submitted, ApiError> {
     let fingerprint = task.fingerprint();
     let task_id = TaskId::new_v7();
-    let mut tx = pool.begin().await?;
     let inserted = sqlx::query(
         "INSERT INTO idempotency_keys (tenant, idempotency_key, fingerprint, task_id) VALUES ($1, $2, $3, $4) \
          ON CONFLICT DO NOTHING",
@@ -152,7 +170,7 @@ pub async fn submit(
     .bind(&key.0)
     .bind(&fingerprint)
     .bind(task_id.as_uuid())
-    .execute(&mut *tx)
+    .execute(&mut *conn)
     .await?
     .rows_affected()
         == 1;
@@ -162,9 +180,8 @@ pub async fn submit(
         )
         .bind(tenant.as_str())
         .bind(&key.0)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut *conn)
         .await?;
-        tx.rollback().await?;
         return if stored == fingerprint {
             Ok(Submitted::Replayed(accepted(TaskId::from_uuid(existing))))
         } else {
@@ -172,7 +189,7 @@ pub async fn submit(
         };
     }
     let accepted_at = OffsetDateTime::now_utc();
-    insert_task(&mut tx, tenant, task_id, &task, source, accepted_at).await?;
+    insert_task(&mut *conn, tenant, task_id, &task, source, accepted_at).await?;
     let event = Event::TaskAccepted(TaskAccepted {
         task_id,
         tenant: tenant.as_str().to_owned(),
@@ -185,10 +202,8 @@ pub async fn submit(
         source: source.to_owned(),
         accepted_at: Timestamp::from(accepted_at),
     });
-    outbox.append(&mut tx, topics::TASKS, None, &event).await?;
-    tx.commit().await?;
-    outbox.committed();
-    tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, "task accepted");
+    outbox.append(&mut *conn, topics::TASKS, None, &event).await?;
+    tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, source, "task accepted");
     Ok(Submitted::Created(accepted(task_id)))
 }
 

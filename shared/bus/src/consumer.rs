@@ -43,6 +43,8 @@ pub struct Inbound {
     pub partition: i32,
     pub offset: i64,
     pub key: Option<Vec<u8>>,
+    /// The record's value as it arrived, for answers that must quote it.
+    pub value: Vec<u8>,
     pub envelope: Envelope,
 }
 
@@ -76,6 +78,57 @@ pub trait Handler: Send + Sync + 'static {
         outbox: &OutboxWriter,
         record: &Inbound,
     ) -> impl Future<Output = Result<(), HandleError>> + Send;
+
+    /// Where a record this consumer cannot use goes, in the batch transaction. The
+    /// default is a `DeadLetter` on `fenceline.deadletter`; a front door that owes
+    /// its producers an answer (intake's upstream topic) answers on its own topic.
+    fn reject(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        rejected: &Rejected<'_>,
+    ) -> impl Future<Output = Result<(), HandleError>> + Send {
+        dead_letter(tx, outbox, rejected)
+    }
+}
+
+/// A record that could not be decoded, or that the handler refused, kept whole.
+#[derive(Debug)]
+pub struct Rejected<'a> {
+    pub consumer_group: &'a str,
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+    pub reason: &'a str,
+    pub key: Option<&'a [u8]>,
+    pub value: Option<&'a [u8]>,
+    pub headers: Vec<(&'a str, Option<&'a [u8]>)>,
+}
+
+/// Writes `rejected` as a `DeadLetter` event to the dead-letter topic.
+pub async fn dead_letter(
+    tx: &mut PgConnection,
+    outbox: &OutboxWriter,
+    rejected: &Rejected<'_>,
+) -> Result<(), HandleError> {
+    let letter = Event::DeadLetter(DeadLetter {
+        topic: rejected.topic.to_owned(),
+        partition: rejected.partition,
+        offset: rejected.offset,
+        consumer: rejected.consumer_group.to_owned(),
+        reason: rejected.reason.to_owned(),
+        original_key: rejected.key.map(|k| Bytes(k.to_vec())),
+        original_value: rejected.value.map(|v| Bytes(v.to_vec())),
+        original_headers: rejected
+            .headers
+            .iter()
+            .map(|(name, value)| OriginalHeader { name: (*name).to_owned(), value: value.map(|v| Bytes(v.to_vec())) })
+            .collect(),
+        dead_lettered_at: Timestamp::now(),
+    });
+    let key = format!("{}/{}/{}", rejected.topic, rejected.partition, rejected.offset);
+    outbox.append(tx, topics::DEADLETTER, Some(key.as_bytes()), &letter).await?;
+    Ok(())
 }
 
 /// What to consume, as whom.
@@ -589,6 +642,7 @@ impl<H: Handler> Processor<H> {
                 partition,
                 offset: message.offset(),
                 key: message.key().map(<[u8]>::to_vec),
+                value: message.payload().unwrap_or_default().to_vec(),
                 envelope,
             };
             let span = info_span!(
@@ -631,32 +685,21 @@ impl<H: Handler> Processor<H> {
             partition = message.partition(),
             offset = message.offset(),
             reason,
-            "record dead-lettered"
+            "record rejected"
         );
-        let original_headers = message
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|header| OriginalHeader {
-                        name: header.key.to_owned(),
-                        value: header.value.map(|v| Bytes(v.to_vec())),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let letter = Event::DeadLetter(DeadLetter {
-            topic: message.topic().to_owned(),
+        let headers =
+            message.headers().map(|h| h.iter().map(|header| (header.key, header.value)).collect()).unwrap_or_default();
+        let rejected = Rejected {
+            consumer_group: &self.spec.group,
+            topic: message.topic(),
             partition: message.partition(),
             offset: message.offset(),
-            consumer: self.spec.group.clone(),
-            reason: reason.to_owned(),
-            original_key: message.key().map(|k| Bytes(k.to_vec())),
-            original_value: message.payload().map(|v| Bytes(v.to_vec())),
-            original_headers,
-            dead_lettered_at: Timestamp::now(),
-        });
-        let key = format!("{}/{}/{}", message.topic(), message.partition(), message.offset());
-        self.outbox.append(tx, topics::DEADLETTER, Some(key.as_bytes()), &letter).await?;
+            reason,
+            key: message.key(),
+            value: message.payload(),
+            headers,
+        };
+        self.handler.reject(tx, &self.outbox, &rejected).await?;
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

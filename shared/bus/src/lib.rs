@@ -7,7 +7,9 @@ pub mod faults;
 pub mod kafka;
 pub mod outbox;
 
-pub use consumer::{ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound};
+pub use consumer::{
+    ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,
+};
 pub use outbox::{OutboxWriter, Relay, RelayStats};
 
 /// The bus tables (consumer progress, processed events, outbox), migrated into the

@@ -24,17 +24,22 @@ impl Drop for Intake {
     }
 }
 
+fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_intake::Config {
+    fenceline_intake::Config {
+        service: service_config(url, prefix, "intake"),
+        intake: fenceline_intake::IntakeConfig {
+            kinds,
+            idempotency_retention_hours: 24,
+            webhook_tolerance_seconds: 300,
+            body_limit_bytes: 4096,
+        },
+    }
+}
+
 async fn start_intake() -> Intake {
     let url = fresh_database().await;
     let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;
-    let config = fenceline_intake::Config {
-        service: service_config(&url, &prefix, "intake"),
-        intake: fenceline_intake::IntakeConfig {
-            kinds: vec!["image.generate".into(), "ticket.triage".into()],
-            idempotency_retention_hours: 24,
-            body_limit_bytes: 4096,
-        },
-    };
+    let config = intake_config(&url, &prefix, vec!["image.generate".into(), "ticket.triage".into()]);
     let app = fenceline_intake::build(config).await.expect("intake starts");
     let pool = app.base.database.pool.clone();
     let base = format!("http://127.0.0.1:{}", app.port());
@@ -445,14 +450,7 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
         topics::INTAKE_REJECTED,
     ])
     .await;
-    let config = fenceline_intake::Config {
-        service: service_config(&url, &prefix, "intake"),
-        intake: fenceline_intake::IntakeConfig {
-            kinds: vec!["ticket.triage".into()],
-            idempotency_retention_hours: 24,
-            body_limit_bytes: 4096,
-        },
-    };
+    let config = intake_config(&url, &prefix, vec!["ticket.triage".into()]);
     let app = fenceline_intake::build(config).await.expect("intake starts");
     let pool = app.base.database.pool.clone();
     let shutdown = CancellationToken::new();
@@ -501,4 +499,71 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
     assert_eq!(by_type("unknown-tenant").source_event_id.as_deref(), Some("t-4"));
     assert_eq!(by_type("invalid-record").original.0, b"\x00garbage");
     assert_eq!(answers.len(), 3);
+}
+
+/// A webhook delivery with its signature headers.
+async fn deliver(intake: &Intake, source: &str, event_id: &str, timestamp: i64, signature: &str, body: &str) -> Answer {
+    let (url, body) = (format!("{}/v1/webhooks/{source}", intake.base), body.to_owned());
+    let (event_id, signature) = (event_id.to_owned(), signature.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+        let started = std::time::Instant::now();
+        let response = agent
+            .post(&url)
+            .header("Content-Type", "application/json")
+            .header("Fenceline-Timestamp", timestamp.to_string())
+            .header("Fenceline-Signature", signature)
+            .header("Fenceline-Event-Id", event_id)
+            .send(body)
+            .expect("answer");
+        let elapsed = started.elapsed();
+        assert!(elapsed < Duration::from_secs(2), "a webhook is answered at once, not after the work ({elapsed:?})");
+        let status = response.status().as_u16();
+        let replayed = response.headers().get("idempotent-replayed").is_some();
+        let text = response.into_body().read_to_string().unwrap_or_default();
+        Answer {
+            status,
+            content_type: String::new(),
+            location: None,
+            replayed,
+            body: serde_json::from_str(&text).unwrap_or(Value::Null),
+        }
+    })
+    .await
+    .expect("client thread")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_webhooks_become_tasks_once_and_bad_or_stale_signatures_are_refused() {
+    use fenceline_intake::webhooks::{add_secret, sign};
+    let intake = start_intake().await;
+    let tenant = Tenant::parse("acme").expect("tenant");
+    let (_, old) = add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("secret");
+    let (_, new) = add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("rotated");
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let body = json!({"ticket": 81723, "subject": "refund please"}).to_string();
+
+    let first = deliver(&intake, "helpdesk", "evt-1", now, &sign(old.as_bytes(), now, body.as_bytes()), &body).await;
+    assert_eq!(first.status, 202, "{:?}", first.body);
+    // The sender retries after 5 seconds, now signing with the new secret.
+    let resent = deliver(&intake, "helpdesk", "evt-1", now, &sign(new.as_bytes(), now, body.as_bytes()), &body).await;
+    assert_eq!((resent.status, resent.replayed), (202, true));
+    assert_eq!(resent.body["task_id"], first.body["task_id"], "deduplicated by the source's event id");
+
+    let tampered = deliver(&intake, "helpdesk", "evt-2", now, &sign(new.as_bytes(), now, b"{}"), &body).await;
+    let stale =
+        deliver(&intake, "helpdesk", "evt-3", now - 600, &sign(new.as_bytes(), now - 600, body.as_bytes()), &body)
+            .await;
+    let unknown = deliver(&intake, "nobody", "evt-4", now, &sign(new.as_bytes(), now, body.as_bytes()), &body).await;
+    for refused in [&tampered, &stale, &unknown] {
+        assert_eq!((refused.status, refused.body["type"].as_str()), (401, Some("/problems/bad-signature")));
+    }
+    // A third secret retires the oldest.
+    add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("third");
+    let retired = deliver(&intake, "helpdesk", "evt-5", now, &sign(old.as_bytes(), now, body.as_bytes()), &body).await;
+    assert_eq!(retired.status, 401, "the oldest secret was retired");
+
+    assert_eq!(task_rows(&intake.pool).await, 1);
+    let kind: String = sqlx::query_scalar("SELECT kind FROM tasks").fetch_one(&intake.pool).await.expect("kind");
+    assert_eq!(kind, "ticket.triage", "mapped to the source's kind");
 }

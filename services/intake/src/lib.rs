@@ -6,6 +6,7 @@ pub mod auth;
 pub mod problem;
 pub mod tasks;
 pub mod upstream;
+pub mod webhooks;
 
 use std::time::Duration;
 
@@ -56,6 +57,14 @@ pub struct IntakeConfig {
     )]
     pub idempotency_retention_hours: u32,
 
+    /// How far a webhook's timestamp may be from now, in seconds (replay window).
+    #[arg(
+        long = "webhook-tolerance-seconds",
+        env = "FENCELINE_INTAKE_WEBHOOK_TOLERANCE_SECONDS",
+        default_value_t = 300
+    )]
+    pub webhook_tolerance_seconds: i64,
+
     /// Largest request body, in bytes.
     #[arg(long = "body-limit-bytes", env = "FENCELINE_INTAKE_BODY_LIMIT_BYTES", default_value_t = 256 * 1024)]
     pub body_limit_bytes: usize,
@@ -66,6 +75,7 @@ pub struct IntakeConfig {
 struct State {
     outbox: OutboxWriter,
     kinds: Vec<String>,
+    webhook_tolerance_seconds: i64,
 }
 
 /// Builds intake: connects and migrates its schema, starts its outbox relay, its
@@ -73,9 +83,10 @@ struct State {
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let kinds = config.intake.kinds.clone();
     let body_limit = config.intake.body_limit_bytes;
+    let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
-        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds });
+        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds, webhook_tolerance_seconds });
         move |cfg: &mut web::ServiceConfig| {
             cfg.app_data(pool.clone())
                 .app_data(state.clone())
@@ -85,7 +96,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                 .route("/v1/tasks/{task_id}", web::get().to(read))
                 .route("/v1/tasks/{task_id}/cancel", web::post().to(cancel))
                 .route("/v1/tasks/{task_id}/signals/{name}", web::post().to(signal))
-                .route("/v1/tasks/{task_id}/resolution", web::post().to(resolve));
+                .route("/v1/tasks/{task_id}/resolution", web::post().to(resolve))
+                .route("/v1/webhooks/{source}", web::post().to(webhook));
         }
     })
     .await?;
@@ -231,4 +243,54 @@ async fn resolve(
     let request = body.into_inner();
     let accepted = actions::resolve(&pool, &state.outbox, &caller.0, task_id(&path)?, &who(&caller), request).await?;
     Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// A signed delivery from a configured source becomes a task, once per event id.
+/// Every refusal (unknown source, missing or stale timestamp, bad signature)
+/// answers 401 alike, so a prober learns nothing about which sources exist.
+async fn webhook(
+    req: HttpRequest,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+    body: web::Bytes,
+) -> Result<HttpResponse, ApiError> {
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let refused = |e: webhooks::SignatureError| ApiError::BadSignature(e.to_string());
+    let source = webhooks::source(&pool, &path).await?.ok_or_else(|| refused(webhooks::SignatureError::NoMatch))?;
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    webhooks::verify(
+        &source.secrets,
+        header(webhooks::headers::TIMESTAMP),
+        header(webhooks::headers::SIGNATURE),
+        &body,
+        now,
+        state.webhook_tolerance_seconds,
+    )
+    .map_err(refused)?;
+    let event_id = header(webhooks::headers::EVENT_ID)
+        .ok_or_else(|| ApiError::InvalidRequest(format!("the {} header is missing", webhooks::headers::EVENT_ID)))?;
+    let key = IdempotencyKey::parse(&format!("webhook:{}:{event_id}", path.as_str()))?;
+    let input: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("body: {e}")))?;
+    let task = SubmitTask {
+        kind: source.kind.clone(),
+        input,
+        priority: None,
+        deadline: None,
+        not_before: None,
+        labels: [("webhook_source".to_owned(), path.to_string())].into(),
+    }
+    .validate(&state.kinds)?;
+    let submitted =
+        tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &format!("webhook:{}", path.as_str())).await?;
+    let (accepted, replayed) = match submitted {
+        Submitted::Created(accepted) => (accepted, false),
+        Submitted::Replayed(accepted) => (accepted, true),
+    };
+    let mut response = HttpResponse::Accepted();
+    if replayed {
+        response.insert_header(("Idempotent-Replayed", "true"));
+    }
+    Ok(response.json(accepted))
 }

@@ -23,6 +23,16 @@ enum Command {
         #[arg(long, default_value = "")]
         label: String,
     },
+    /// Configures a webhook source (its tenant and task kind) and prints a new
+    /// signing secret once; the two newest secrets stay active, for rotation.
+    AddWebhookSecret {
+        #[arg(long)]
+        source: String,
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        kind: String,
+    },
     /// Revokes a token by its id.
     RevokeToken {
         #[arg(long)]
@@ -47,6 +57,15 @@ async fn main() -> anyhow::Result<()> {
             #[allow(clippy::print_stdout)]
             {
                 println!("tenant={} token_id={id} token={token}", tenant.as_str());
+            }
+        }
+        Command::AddWebhookSecret { source, tenant, kind } => {
+            let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;
+            let pool = admin_pool(&cli.config).await?;
+            let (id, secret) = fenceline_intake::webhooks::add_secret(&pool, &source, &tenant, &kind).await?;
+            #[allow(clippy::print_stdout)]
+            {
+                println!("source={source} secret_id={id} secret={secret}");
             }
         }
         Command::RevokeToken { token_id } => {

@@ -10,6 +10,8 @@ use serde::Serialize;
 pub enum ApiError {
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    #[error("webhook refused: {0}")]
+    BadSignature(String),
     #[error("no task {0}")]
     TaskNotFound(String),
     #[error("{0}")]
@@ -44,6 +46,7 @@ impl ApiError {
     fn problem_type(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "/problems/unauthorized",
+            ApiError::BadSignature(_) => "/problems/bad-signature",
             ApiError::TaskNotFound(_) => "/problems/task-not-found",
             ApiError::InvalidRequest(_) => "/problems/invalid-request",
             ApiError::IdempotencyKeyMissing => "/problems/idempotency-key-missing",
@@ -58,6 +61,7 @@ impl ApiError {
     fn title(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "Unauthorized",
+            ApiError::BadSignature(_) => "Bad webhook signature",
             ApiError::TaskNotFound(_) => "Task not found",
             ApiError::InvalidRequest(_) => "Invalid request",
             ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => "Invalid Idempotency-Key",
@@ -72,7 +76,7 @@ impl ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized | ApiError::BadSignature(_) => StatusCode::UNAUTHORIZED,
             ApiError::TaskNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::InvalidRequest(_) | ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => {
                 StatusCode::BAD_REQUEST

@@ -567,3 +567,55 @@ async fn signed_webhooks_become_tasks_once_and_bad_or_stale_signatures_are_refus
     let kind: String = sqlx::query_scalar("SELECT kind FROM tasks").fetch_one(&intake.pool).await.expect("kind");
     assert_eq!(kind, "ticket.triage", "mapped to the source's kind");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_are_listed_newest_first_with_filters_and_a_stable_cursor() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let token = Some(intake.acme.clone());
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let labels = if i % 2 == 0 { json!({"shop": "even"}) } else { json!({"shop": "odd"}) };
+        let body = json!({"kind": "image.generate", "input": {"i": i}, "labels": labels}).to_string();
+        let answer = call("POST", url.clone(), token.clone(), Some(&format!("list-{i}")), Some(body)).await;
+        ids.push(answer.body["task_id"].as_str().expect("id").to_owned());
+    }
+    call("POST", url.clone(), Some(intake.globex.clone()), Some("other"), Some(image("other tenant"))).await;
+
+    let first = call("GET", format!("{url}?limit=2"), token.clone(), None, None).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let page_ids = |a: &Answer| {
+        a.body["tasks"]
+            .as_array()
+            .expect("tasks")
+            .iter()
+            .map(|t| t["task_id"].as_str().expect("id").to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(page_ids(&first), vec![ids[4].clone(), ids[3].clone()], "newest first");
+    let cursor = first.body["next_cursor"].as_str().expect("more pages").to_owned();
+    // A task arriving between pages does not shift the next page.
+    call("POST", url.clone(), token.clone(), Some("late"), Some(image("late"))).await;
+    let second = call("GET", format!("{url}?limit=2&cursor={cursor}"), token.clone(), None, None).await;
+    assert_eq!(page_ids(&second), vec![ids[2].clone(), ids[1].clone()]);
+    let third = call(
+        "GET",
+        format!("{url}?limit=2&cursor={}", second.body["next_cursor"].as_str().expect("c")),
+        token.clone(),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(page_ids(&third), vec![ids[0].clone()]);
+    assert!(third.body["next_cursor"].is_null(), "last page");
+
+    let odd =
+        call("GET", format!("{url}?label=shop:odd&state=queued&kind=image.generate"), token.clone(), None, None).await;
+    assert_eq!(page_ids(&odd), vec![ids[3].clone(), ids[1].clone()]);
+    let none = call("GET", format!("{url}?state=succeeded"), token.clone(), None, None).await;
+    assert_eq!(page_ids(&none), Vec::<String>::new());
+    for bad in ["state=done", "limit=0", "cursor=xyz", "label=nocolon", "since=yesterday", "colour=red"] {
+        let answer = call("GET", format!("{url}?{bad}"), token.clone(), None, None).await;
+        assert_eq!((answer.status, answer.body["type"].as_str()), (400, Some("/problems/invalid-request")), "{bad}");
+    }
+}

@@ -92,7 +92,11 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                 .app_data(state.clone())
                 .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
                 .app_data(web::PayloadConfig::new(body_limit))
+                .app_data(
+                    web::QueryConfig::default().error_handler(|e, _| ApiError::InvalidRequest(e.to_string()).into()),
+                )
                 .route("/v1/tasks", web::post().to(submit))
+                .route("/v1/tasks", web::get().to(list))
                 .route("/v1/tasks/{task_id}", web::get().to(read))
                 .route("/v1/tasks/{task_id}/cancel", web::post().to(cancel))
                 .route("/v1/tasks/{task_id}/signals/{name}", web::post().to(signal))
@@ -192,6 +196,14 @@ fn task_id(raw: &str) -> Result<TaskId, ApiError> {
 /// Who asked, for the audit trail: the tenant, never the token itself.
 fn who(caller: &Caller) -> String {
     format!("tenant:{}", caller.0.as_str())
+}
+
+async fn list(
+    caller: Caller,
+    pool: web::Data<PgPool>,
+    query: web::Query<tasks::ListQuery>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(tasks::list(&pool, &caller.0, query.into_inner()).await?))
 }
 
 async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {

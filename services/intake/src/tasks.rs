@@ -257,84 +257,59 @@ pub struct TaskView {
     pub version: i64,
 }
 
-type ViewRow = (
-    uuid::Uuid,
-    String,
-    String,
-    Option<String>,
-    i32,
-    Option<String>,
-    Option<String>,
-    Option<OffsetDateTime>,
-    Option<serde_json::Value>,
-    Option<String>,
-    OffsetDateTime,
-    i64,
-);
+/// A task joined with its projected status; the status is absent until the
+/// scheduler's first snapshot arrives.
+#[derive(Debug, sqlx::FromRow)]
+struct Row {
+    task_id: uuid::Uuid,
+    kind: String,
+    accepted_at: OffsetDateTime,
+    state: Option<String>,
+    reason: Option<String>,
+    attempt: Option<i32>,
+    step: Option<String>,
+    phase: Option<String>,
+    next_attempt_at: Option<OffsetDateTime>,
+    result: Option<serde_json::Value>,
+    case_id: Option<String>,
+    updated_at: Option<OffsetDateTime>,
+    version: Option<i64>,
+}
+
+const SELECT_ROWS: &str = "SELECT t.task_id, t.kind, t.accepted_at, v.state, v.reason, v.attempt, v.step, v.phase, \
+     v.next_attempt_at, v.result, v.case_id, v.updated_at, v.version \
+     FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id";
+
+impl From<Row> for TaskView {
+    /// A task accepted but not yet projected reads as `queued`.
+    fn from(row: Row) -> Self {
+        let projected = row.state.is_some();
+        TaskView {
+            task_id: TaskId::from_uuid(row.task_id),
+            kind: row.kind,
+            state: row.state.unwrap_or_else(|| TaskState::Queued.as_str().to_owned()),
+            reason: if projected { row.reason } else { Some("accepted; not yet scheduled".into()) },
+            attempt: row.attempt.unwrap_or(0),
+            step: row.step,
+            phase: row.phase,
+            next_attempt_at: row.next_attempt_at,
+            result: row.result,
+            case_id: row.case_id,
+            updated_at: row.updated_at.unwrap_or(row.accepted_at),
+            version: row.version.unwrap_or(0),
+        }
+    }
+}
 
 /// The task as the caller's tenant sees it. Another tenant's task is not found,
-/// exactly like a task that does not exist. A task accepted but not yet projected
-/// reads as `queued`.
+/// exactly like a task that does not exist.
 pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<TaskView, ApiError> {
-    let row: Option<ViewRow> = sqlx::query_as(
-        "SELECT task_id, kind, state, reason, attempt, step, phase, next_attempt_at, result, case_id, updated_at, version \
-         FROM task_view WHERE task_id = $1 AND tenant = $2",
-    )
-    .bind(task_id.as_uuid())
-    .bind(tenant.as_str())
-    .fetch_optional(pool)
-    .await?;
-    if let Some((
-        id,
-        kind,
-        state,
-        reason,
-        attempt,
-        step,
-        phase,
-        next_attempt_at,
-        result,
-        case_id,
-        updated_at,
-        version,
-    )) = row
-    {
-        return Ok(TaskView {
-            task_id: TaskId::from_uuid(id),
-            kind,
-            state,
-            reason,
-            attempt,
-            step,
-            phase,
-            next_attempt_at,
-            result,
-            case_id,
-            updated_at,
-            version,
-        });
-    }
-    let accepted: Option<(String, OffsetDateTime)> =
-        sqlx::query_as("SELECT kind, accepted_at FROM tasks WHERE task_id = $1 AND tenant = $2")
-            .bind(task_id.as_uuid())
-            .bind(tenant.as_str())
-            .fetch_optional(pool)
-            .await?;
-    let (kind, accepted_at) = accepted.ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))?;
-    Ok(TaskView {
-        task_id,
-        kind,
-        state: TaskState::Queued.as_str().to_owned(),
-        reason: Some("accepted; not yet scheduled".into()),
-        attempt: 0,
-        step: None,
-        phase: None,
-        next_attempt_at: None,
-        result: None,
-        case_id: None,
-        updated_at: accepted_at,
-        version: 0,
-    })
+    let row: Option<Row> = sqlx::query_as(&format!("{SELECT_ROWS} WHERE t.task_id = $1 AND t.tenant = $2"))
+        .bind(task_id.as_uuid())
+        .bind(tenant.as_str())
+        .fetch_optional(pool)
+        .await?;
+    row.map(TaskView::from).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
 }
 
 /// Projects `fenceline.status` into `task_view`: the newest version wins, so a
@@ -437,4 +412,82 @@ mod tests {
             assert!(IdempotencyKey::parse(bad).is_err(), "{bad}");
         }
     }
+}
+
+/// Filters of `GET /v1/tasks`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    pub state: Option<String>,
+    pub kind: Option<String>,
+    /// `key:value`, a label the task carries.
+    pub label: Option<String>,
+    /// Accepted at or after (RFC 3339).
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub since: Option<OffsetDateTime>,
+    /// Accepted before (RFC 3339).
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub until: Option<OffsetDateTime>,
+    /// Page size, 1 to 200 (default 50).
+    pub limit: Option<u32>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// One page of tasks, newest first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Page {
+    pub tasks: Vec<TaskView>,
+    /// Pass as `cursor` for the next page; absent on the last one.
+    pub next_cursor: Option<String>,
+}
+
+/// Lists the tenant's tasks, newest first, by keyset pagination on the task id
+/// (UUIDv7, so creation order): pages stay stable while new tasks arrive.
+pub async fn list(pool: &PgPool, tenant: &Tenant, query: ListQuery) -> Result<Page, ApiError> {
+    if let Some(state) = &query.state {
+        state.parse::<TaskState>().map_err(|e| ApiError::InvalidRequest(format!("state: {e}")))?;
+    }
+    let label = match &query.label {
+        Some(raw) => {
+            let (k, v) =
+                raw.split_once(':').ok_or_else(|| ApiError::InvalidRequest("label: expected key:value".into()))?;
+            Some(serde_json::json!({ k: v }))
+        }
+        None => None,
+    };
+    let cursor = match &query.cursor {
+        Some(raw) => {
+            Some(raw.parse::<TaskId>().map_err(|_| ApiError::InvalidRequest("cursor: not one this API gave".into()))?)
+        }
+        None => None,
+    };
+    let limit = i64::from(query.limit.unwrap_or(50));
+    if !(1..=200).contains(&limit) {
+        return Err(ApiError::InvalidRequest("limit: 1 to 200".into()));
+    }
+    let rows: Vec<Row> = sqlx::query_as(&format!(
+        "{SELECT_ROWS} WHERE t.tenant = $1 \
+           AND ($2::text IS NULL OR coalesce(v.state, 'queued') = $2) \
+           AND ($3::text IS NULL OR t.kind = $3) \
+           AND ($4::jsonb IS NULL OR t.labels @> $4) \
+           AND ($5::timestamptz IS NULL OR t.accepted_at >= $5) \
+           AND ($6::timestamptz IS NULL OR t.accepted_at < $6) \
+           AND ($7::uuid IS NULL OR t.task_id < $7) \
+         ORDER BY t.task_id DESC LIMIT $8"
+    ))
+    .bind(tenant.as_str())
+    .bind(&query.state)
+    .bind(&query.kind)
+    .bind(label)
+    .bind(query.since)
+    .bind(query.until)
+    .bind(cursor.map(|c| c.as_uuid()))
+    .bind(limit + 1)
+    .fetch_all(pool)
+    .await?;
+    let more = rows.len() as i64 > limit;
+    let tasks: Vec<TaskView> = rows.into_iter().take(limit as usize).map(TaskView::from).collect();
+    let next_cursor = if more { tasks.last().map(|t| t.task_id.to_string()) } else { None };
+    Ok(Page { tasks, next_cursor })
 }

@@ -86,6 +86,19 @@ pub fn service_config(url: &str, prefix: &str, schema: &str) -> fenceline_config
     }
 }
 
+/// Intake on port 0 with the given kinds and the documented defaults otherwise.
+pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_intake::Config {
+    fenceline_intake::Config {
+        service: service_config(url, prefix, "intake"),
+        intake: fenceline_intake::IntakeConfig {
+            kinds,
+            idempotency_retention_hours: 24,
+            webhook_tolerance_seconds: 300,
+            body_limit_bytes: 4096,
+        },
+    }
+}
+
 pub fn outbox_config() -> OutboxConfig {
     OutboxConfig { shards: 4, batch_max: 500, idle_poll_ms: 100 }
 }

@@ -24,18 +24,6 @@ impl Drop for Intake {
     }
 }
 
-fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_intake::Config {
-    fenceline_intake::Config {
-        service: service_config(url, prefix, "intake"),
-        intake: fenceline_intake::IntakeConfig {
-            kinds,
-            idempotency_retention_hours: 24,
-            webhook_tolerance_seconds: 300,
-            body_limit_bytes: 4096,
-        },
-    }
-}
-
 async fn start_intake() -> Intake {
     let url = fresh_database().await;
     let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;

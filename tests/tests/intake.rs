@@ -607,3 +607,42 @@ async fn tasks_are_listed_newest_first_with_filters_and_a_stable_cursor() {
         assert_eq!((answer.status, answer.body["type"].as_str()), (400, Some("/problems/invalid-request")), "{bad}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_keys_past_their_retention_are_purged_and_then_start_afresh() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let first = call("POST", url.clone(), Some(intake.acme.clone()), Some("old-key"), Some(image("x"))).await;
+    // Age the key past the 24 h retention, as if a day had passed.
+    sqlx::query("UPDATE idempotency_keys SET created_at = now() - interval '25 hours'")
+        .execute(&intake.pool)
+        .await
+        .expect("age");
+    let purged = fenceline_intake::tasks::purge_idempotency_keys(&intake.pool, 24).await.expect("purge");
+    assert_eq!(purged, 1);
+    let again = call("POST", url, Some(intake.acme.clone()), Some("old-key"), Some(image("x"))).await;
+    assert_eq!((again.status, again.replayed), (202, false), "a purged key is a new submission");
+    assert_ne!(again.body["task_id"], first.body["task_id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_is_not_json_is_refused_as_unsupported() {
+    let intake = start_intake().await;
+    let (url, token) = (format!("{}/v1/tasks", intake.base), intake.acme.clone());
+    let answer = tokio::task::spawn_blocking(move || {
+        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+        let response = agent
+            .post(&url)
+            .header("Authorization", format!("Bearer {token}"))
+            .header("Idempotency-Key", "k")
+            .header("Content-Type", "text/plain")
+            .send("kind=image.generate")
+            .expect("answer");
+        let status = response.status().as_u16();
+        let text = response.into_body().read_to_string().unwrap_or_default();
+        (status, serde_json::from_str::<Value>(&text).unwrap_or(Value::Null))
+    })
+    .await
+    .expect("client");
+    assert_eq!((answer.0, answer.1["type"].as_str()), (415, Some("/problems/unsupported-media-type")));
+}

@@ -24,8 +24,13 @@ pub fn setup() -> fail::FailScenario<'static> {
 #[doc(hidden)]
 pub fn on_return(name: &'static str, action: Option<String>) -> Injected {
     if action.as_deref() == Some("crash") {
-        // Logged to stderr first, so a test can tell a planned crash from a bug.
-        eprintln!("{{\"level\":\"WARN\",\"message\":\"fault point crashes the process\",\"fault_point\":\"{name}\"}}");
+        // Logged to stderr first, so a test can tell a planned crash from a bug; a
+        // closed stderr must not turn the crash into a panic.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "{{\"level\":\"WARN\",\"message\":\"fault point crashes the process\",\"fault_point\":\"{name}\"}}"
+        );
         std::process::abort();
     }
     Injected(name)

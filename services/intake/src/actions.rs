@@ -33,6 +33,30 @@ async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId
     found.map(|_| ()).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
 }
 
+/// Carries out one request on the caller's task exactly once: `dedup` inserts the
+/// request's identity (and does nothing if it is there already); only a fresh
+/// insert sends `event`. Returns whether it was fresh.
+async fn once(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    tenant: &Tenant,
+    task_id: TaskId,
+    dedup: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    event: impl FnOnce() -> Event,
+) -> Result<bool, ApiError> {
+    let mut tx = pool.begin().await?;
+    lock_task(&mut tx, tenant, task_id).await?;
+    let fresh = dedup.execute(&mut *tx).await?.rows_affected() == 1;
+    if fresh {
+        outbox.append(&mut tx, topics::TASKS, None, &event()).await?;
+    }
+    tx.commit().await?;
+    if fresh {
+        outbox.committed();
+    }
+    Ok(fresh)
+}
+
 /// Asks for the task to be cancelled (cooperatively, if it runs).
 pub async fn cancel(
     pool: &PgPool,
@@ -41,26 +65,18 @@ pub async fn cancel(
     task_id: TaskId,
     who: &str,
 ) -> Result<ActionAccepted, ApiError> {
-    let mut tx = pool.begin().await?;
-    lock_task(&mut tx, tenant, task_id).await?;
-    let fresh = sqlx::query("INSERT INTO cancellations (task_id, requested_by) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+    let dedup = sqlx::query("INSERT INTO cancellations (task_id, requested_by) VALUES ($1, $2) ON CONFLICT DO NOTHING")
         .bind(task_id.as_uuid())
-        .bind(who)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-        == 1;
-    if fresh {
-        let event = Event::CancelRequested(CancelRequested {
+        .bind(who);
+    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
+        Event::CancelRequested(CancelRequested {
             task_id,
             tenant: tenant.as_str().to_owned(),
             requested_by: who.to_owned(),
             requested_at: Timestamp::now(),
-        });
-        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
-    }
-    tx.commit().await?;
-    outbox.committed();
+        })
+    })
+    .await?;
     Ok(ActionAccepted { task_id, action: "cancel".into(), repeated: !fresh })
 }
 
@@ -87,32 +103,24 @@ pub async fn signal(
         Some(key) => key.to_owned(),
         None => hex::encode(Sha256::digest(payload.to_string().as_bytes())),
     };
-    let mut tx = pool.begin().await?;
-    lock_task(&mut tx, tenant, task_id).await?;
-    let fresh = sqlx::query(
+    let dedup = sqlx::query(
         "INSERT INTO signals (task_id, signal_name, signal_id, payload) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
     )
     .bind(task_id.as_uuid())
     .bind(name)
-    .bind(&signal_id)
-    .bind(payload)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1;
-    if fresh {
-        let event = Event::SignalReceived(SignalReceived {
+    .bind(signal_id.clone())
+    .bind(payload);
+    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
+        Event::SignalReceived(SignalReceived {
             task_id,
             tenant: tenant.as_str().to_owned(),
             signal_name: name.to_owned(),
             signal_id,
             payload_json: payload.to_string(),
             received_at: Timestamp::now(),
-        });
-        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
-    }
-    tx.commit().await?;
-    outbox.committed();
+        })
+    })
+    .await?;
     Ok(ActionAccepted { task_id, action: format!("signal:{name}"), repeated: !fresh })
 }
 
@@ -171,12 +179,13 @@ pub async fn resolve(
         (_, Some(_)) => return Err(ApiError::InvalidRequest("only attach_result takes a result".into())),
         (_, None) => None,
     };
-    let mut tx = pool.begin().await?;
-    lock_task(&mut tx, tenant, task_id).await?;
+    // The projected state is advisory (the scheduler decides); it turns away
+    // resolutions of tasks that are plainly not in doubt.
     let view: Option<(String, Option<String>)> =
-        sqlx::query_as("SELECT state, case_id FROM task_view WHERE task_id = $1")
+        sqlx::query_as("SELECT state, case_id FROM task_view WHERE task_id = $1 AND tenant = $2")
             .bind(task_id.as_uuid())
-            .fetch_optional(&mut *tx)
+            .bind(tenant.as_str())
+            .fetch_optional(pool)
             .await?;
     let (state, case_id) = view.unwrap_or((TaskState::Queued.as_str().to_owned(), None));
     let case_id = match (state.as_str(), case_id) {
@@ -187,22 +196,20 @@ pub async fn resolve(
             )));
         }
     };
-    let fresh = sqlx::query(
+    let attached_json =
+        attached.as_ref().map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes}));
+    let dedup = sqlx::query(
         "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by) \
          VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
     )
     .bind(task_id.as_uuid())
-    .bind(&case_id)
+    .bind(case_id.clone())
     .bind(action.as_str())
     .bind(request.acknowledge_possible_charge)
-    .bind(attached.as_ref().map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes})))
-    .bind(who)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1;
-    if fresh {
-        let event = Event::ResolutionDecided(ResolutionDecided {
+    .bind(attached_json)
+    .bind(who);
+    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
+        Event::ResolutionDecided(ResolutionDecided {
             task_id,
             tenant: tenant.as_str().to_owned(),
             case_id,
@@ -211,10 +218,8 @@ pub async fn resolve(
             attached_result: attached,
             decided_by: who.to_owned(),
             decided_at: Timestamp::now(),
-        });
-        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
-    }
-    tx.commit().await?;
-    outbox.committed();
+        })
+    })
+    .await?;
     Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: !fresh })
 }

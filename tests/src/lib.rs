@@ -92,6 +92,7 @@ pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_i
         service: service_config(url, prefix, "intake"),
         intake: fenceline_intake::IntakeConfig {
             kinds,
+            kind_schemas: None,
             idempotency_retention_hours: 24,
             webhook_tolerance_seconds: 300,
             body_limit_bytes: 4096,

@@ -646,3 +646,31 @@ async fn a_body_that_is_not_json_is_refused_as_unsupported() {
     .expect("client");
     assert_eq!((answer.0, answer.1["type"].as_str()), (415, Some("/problems/unsupported-media-type")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_that_fails_its_kinds_schema_is_refused_naming_where() {
+    let url = fresh_database().await;
+    let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;
+    let dir = std::env::temp_dir().join(format!("schemas-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let schema = json!({"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string", "maxLength": 200}}});
+    std::fs::write(dir.join("image.generate.json"), schema.to_string()).expect("schema");
+    let mut config = intake_config(&url, &prefix, vec!["image.generate".into()]);
+    config.intake.kind_schemas = Some(dir);
+    let app = fenceline_intake::build(config).await.expect("intake starts");
+    let pool = app.base.database.pool.clone();
+    let base = format!("http://127.0.0.1:{}", app.port());
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(app.run_until(async move { stop.cancelled().await }));
+    let (_, token) = create_token(&pool, &Tenant::parse("acme").expect("tenant"), "test").await.expect("token");
+
+    let bad = json!({"kind": "image.generate", "input": {"prompt": 7}}).to_string();
+    let answer = call("POST", format!("{base}/v1/tasks"), Some(token.clone()), Some("k1"), Some(bad)).await;
+    assert_eq!((answer.status, answer.body["type"].as_str()), (422, Some("/problems/input-invalid")));
+    assert!(answer.body["detail"].as_str().unwrap_or_default().contains("/prompt"), "{:?}", answer.body);
+    let good = call("POST", format!("{base}/v1/tasks"), Some(token), Some("k2"), Some(image("fine"))).await;
+    assert_eq!(good.status, 202);
+    assert_eq!(task_rows(&pool).await, 1);
+    shutdown.cancel();
+}

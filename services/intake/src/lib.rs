@@ -3,11 +3,13 @@
 
 pub mod actions;
 pub mod auth;
+pub mod kinds;
 pub mod problem;
 pub mod tasks;
 pub mod upstream;
 pub mod webhooks;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{HttpRequest, HttpResponse, web};
@@ -49,6 +51,11 @@ pub struct IntakeConfig {
     )]
     pub kinds: Vec<String>,
 
+    /// Folder of JSON Schemas for task inputs, one `<kind>.json` per kind that has
+    /// one; kinds without a file take any input.
+    #[arg(long = "kind-schemas", env = "FENCELINE_INTAKE_KIND_SCHEMAS")]
+    pub kind_schemas: Option<std::path::PathBuf>,
+
     /// How long an Idempotency-Key is remembered, in hours.
     #[arg(
         long = "idempotency-retention-hours",
@@ -74,14 +81,18 @@ pub struct IntakeConfig {
 #[derive(Debug, Clone)]
 struct State {
     outbox: OutboxWriter,
-    kinds: Vec<String>,
+    kinds: Arc<kinds::KindCatalog>,
     webhook_tolerance_seconds: i64,
 }
 
 /// Builds intake: connects and migrates its schema, starts its outbox relay, its
 /// status projection and the idempotency purge, and binds its HTTP listener.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    let kinds = config.intake.kinds.clone();
+    let kinds = Arc::new(
+        kinds::KindCatalog::load(&config.intake.kinds, config.intake.kind_schemas.as_deref())
+            .map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?,
+    );
+    let upstream_kinds = kinds.clone();
     let body_limit = config.intake.body_limit_bytes;
     let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
@@ -138,7 +149,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         &config.service.consumer,
         pool.clone(),
         app.base.outbox.clone(),
-        upstream::UpstreamRequests { kinds: config.intake.kinds.clone() },
+        upstream::UpstreamRequests { kinds: upstream_kinds },
         app.base.shutdown.child_token(),
     )?;
     app.base.spawn(async move { requests.join().await });

@@ -26,6 +26,8 @@ pub enum ApiError {
     UnknownKind(String),
     #[error("{0}")]
     NotResolvable(String),
+    #[error("{0}")]
+    InputInvalid(String),
     #[error("internal error; it was logged")]
     Internal(#[from] sqlx::Error),
     #[error("internal error; it was logged")]
@@ -54,6 +56,7 @@ impl ApiError {
             ApiError::IdempotencyKeyReused => "/problems/idempotency-key-reused",
             ApiError::UnknownKind(_) => "/problems/unknown-kind",
             ApiError::NotResolvable(_) => "/problems/not-resolvable",
+            ApiError::InputInvalid(_) => "/problems/input-invalid",
             ApiError::Internal(_) | ApiError::Bus(_) => "/problems/internal",
         }
     }
@@ -68,6 +71,7 @@ impl ApiError {
             ApiError::IdempotencyKeyReused => "Idempotency-Key reused",
             ApiError::UnknownKind(_) => "Unknown task kind",
             ApiError::NotResolvable(_) => "Task cannot be resolved",
+            ApiError::InputInvalid(_) => "Input does not match its kind's schema",
             ApiError::Internal(_) | ApiError::Bus(_) => "Internal error",
         }
     }
@@ -81,7 +85,9 @@ impl ResponseError for ApiError {
             ApiError::InvalidRequest(_) | ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => {
                 StatusCode::BAD_REQUEST
             }
-            ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) | ApiError::InputInvalid(_) => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             ApiError::NotResolvable(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

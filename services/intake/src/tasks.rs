@@ -14,6 +14,7 @@ use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 
 use crate::auth::Tenant;
+use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
 
 /// The body of `POST /v1/tasks`.
@@ -64,10 +65,8 @@ impl IdempotencyKey {
 
 impl SubmitTask {
     /// Checks the request against the configured kinds and its own rules.
-    pub fn validate(self, kinds: &[String]) -> Result<ValidTask, ApiError> {
-        if !kinds.contains(&self.kind) {
-            return Err(ApiError::UnknownKind(self.kind));
-        }
+    pub fn validate(self, kinds: &KindCatalog) -> Result<ValidTask, ApiError> {
+        kinds.check(&self.kind, &self.input)?;
         let priority = match self.priority.as_deref() {
             None => Priority::Normal,
             Some(p) => p.parse().map_err(|e: fenceline_domain::vocabulary::UnknownWord| {
@@ -374,8 +373,8 @@ mod tests {
         serde_json::from_str(json).expect("valid request JSON")
     }
 
-    fn kinds() -> Vec<String> {
-        vec!["image.generate".into()]
+    fn kinds() -> KindCatalog {
+        KindCatalog::load(&["image.generate".into()], None).expect("no schemas")
     }
 
     #[test]

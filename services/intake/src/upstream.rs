@@ -14,7 +14,7 @@ use crate::tasks::{self, IdempotencyKey, SubmitTask};
 /// The consumer of `fenceline.intake.requests`.
 #[derive(Debug, Clone)]
 pub struct UpstreamRequests {
-    pub kinds: Vec<String>,
+    pub kinds: std::sync::Arc<crate::kinds::KindCatalog>,
 }
 
 /// Why a request cannot become a task: a stable problem type and a reason.
@@ -27,6 +27,7 @@ impl From<ApiError> for Refusal {
     fn from(e: ApiError) -> Self {
         let problem_type = match &e {
             ApiError::UnknownKind(_) => "unknown-kind",
+            ApiError::InputInvalid(_) => "input-invalid",
             ApiError::IdempotencyKeyReused => "idempotency-key-reused",
             ApiError::IdempotencyKeyInvalid(_) | ApiError::IdempotencyKeyMissing => "invalid-source-event-id",
             _ => "invalid-request",

@@ -25,9 +25,21 @@ impl Drop for Intake {
 }
 
 async fn start_intake() -> Intake {
+    start_intake_with(&[], vec!["image.generate".into(), "ticket.triage".into()], |_| {}).await
+}
+
+/// An intake with the tasks, status and dead-letter topics and `more_topics`, the
+/// given kinds, and `customise` applied to its configuration.
+async fn start_intake_with(
+    more_topics: &[&str],
+    kinds: Vec<String>,
+    customise: impl FnOnce(&mut fenceline_intake::Config),
+) -> Intake {
     let url = fresh_database().await;
-    let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;
-    let config = intake_config(&url, &prefix, vec!["image.generate".into(), "ticket.triage".into()]);
+    let wanted = [&[topics::TASKS, topics::STATUS, topics::DEADLETTER][..], more_topics].concat();
+    let prefix = fresh_topics_with(&wanted).await;
+    let mut config = intake_config(&url, &prefix, kinds);
+    customise(&mut config);
     let app = fenceline_intake::build(config).await.expect("intake starts");
     let pool = app.base.database.pool.clone();
     let base = format!("http://127.0.0.1:{}", app.port());
@@ -429,30 +441,10 @@ fn ticket(source_event_id: &str, tenant: &str, kind: &str, input_json: &str) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_their_bytes() {
-    let url = fresh_database().await;
-    let prefix = fresh_topics_with(&[
-        topics::TASKS,
-        topics::STATUS,
-        topics::DEADLETTER,
-        topics::INTAKE_REQUESTS,
-        topics::INTAKE_REJECTED,
-    ])
-    .await;
-    let config = intake_config(&url, &prefix, vec!["ticket.triage".into()]);
-    let app = fenceline_intake::build(config).await.expect("intake starts");
-    let pool = app.base.database.pool.clone();
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
-    tokio::spawn(app.run_until(async move { stop.cancelled().await }));
-    create_token(&pool, &Tenant::parse("acme").expect("tenant"), "test").await.expect("tenant");
-    let intake = Intake {
-        base: String::new(),
-        pool: pool.clone(),
-        prefix: prefix.clone(),
-        acme: String::new(),
-        globex: String::new(),
-        shutdown,
-    };
+    let intake =
+        start_intake_with(&[topics::INTAKE_REQUESTS, topics::INTAKE_REJECTED], vec!["ticket.triage".into()], |_| {})
+            .await;
+    let (pool, prefix) = (intake.pool.clone(), intake.prefix.clone());
 
     produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await;
     produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await; // redelivered
@@ -649,21 +641,12 @@ async fn a_body_that_is_not_json_is_refused_as_unsupported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_that_fails_its_kinds_schema_is_refused_naming_where() {
-    let url = fresh_database().await;
-    let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER]).await;
     let dir = std::env::temp_dir().join(format!("schemas-{}", uuid::Uuid::now_v7().simple()));
     std::fs::create_dir_all(&dir).expect("dir");
     let schema = json!({"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string", "maxLength": 200}}});
     std::fs::write(dir.join("image.generate.json"), schema.to_string()).expect("schema");
-    let mut config = intake_config(&url, &prefix, vec!["image.generate".into()]);
-    config.intake.kind_schemas = Some(dir);
-    let app = fenceline_intake::build(config).await.expect("intake starts");
-    let pool = app.base.database.pool.clone();
-    let base = format!("http://127.0.0.1:{}", app.port());
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
-    tokio::spawn(app.run_until(async move { stop.cancelled().await }));
-    let (_, token) = create_token(&pool, &Tenant::parse("acme").expect("tenant"), "test").await.expect("token");
+    let intake = start_intake_with(&[], vec!["image.generate".into()], |c| c.intake.kind_schemas = Some(dir)).await;
+    let (base, pool, token) = (intake.base.clone(), intake.pool.clone(), intake.acme.clone());
 
     let bad = json!({"kind": "image.generate", "input": {"prompt": 7}}).to_string();
     let answer = call("POST", format!("{base}/v1/tasks"), Some(token.clone()), Some("k1"), Some(bad)).await;
@@ -672,5 +655,4 @@ async fn an_input_that_fails_its_kinds_schema_is_refused_naming_where() {
     let good = call("POST", format!("{base}/v1/tasks"), Some(token), Some("k2"), Some(image("fine"))).await;
     assert_eq!(good.status, 202);
     assert_eq!(task_rows(&pool).await, 1);
-    shutdown.cancel();
 }

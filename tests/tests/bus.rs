@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use fenceline_bus::{ConsumerSpec, ConsumerStats, FencedConsumer, OutboxWriter, Relay};
+use fenceline_bus::{ConsumerSpec, FencedConsumer, OutboxWriter, Relay};
 use fenceline_domain::ids::TaskId;
 use fenceline_events::{Event, topics};
 use fenceline_store::Database;
@@ -359,13 +359,6 @@ async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() 
     let published: Vec<u64> = stats.iter().map(|s| s.published.load(std::sync::atomic::Ordering::Relaxed)).collect();
     assert_eq!(published.iter().sum::<u64>(), 2_000);
     eprintln!("rows published per relay: {published:?}");
-}
-
-/// `ConsumerStats` is shared with the metrics of services; keep it constructible.
-#[test]
-fn consumer_stats_start_at_zero() {
-    let stats = ConsumerStats::default();
-    assert_eq!(stats.applied.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -86,8 +86,7 @@ pub async fn connect(
         .await
         .map_err(Error::Connect)?;
     for migrator in migrators {
-        let mut migrator = Migrator { ignore_missing: true, ..clone_migrator(migrator) };
-        migrator.locking = true;
+        let migrator = Migrator { ignore_missing: true, locking: true, ..clone_migrator(migrator) };
         migrator.run(&pool).await.map_err(|source| Error::Migrate { schema: schema.as_str().to_owned(), source })?;
     }
     tracing::info!(schema = schema.as_str(), "database ready");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{HttpRequest, HttpResponse, web};
-use fenceline_bus::{ConsumerSpec, FencedConsumer, OutboxWriter};
+use fenceline_bus::OutboxWriter;
 use fenceline_config::ServiceConfig;
 use fenceline_domain::ids::TaskId;
 use fenceline_runtime::{Error, ServiceApp};
@@ -118,41 +118,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     .await?;
     let pool = app.base.database.pool.clone();
 
-    let consumer = FencedConsumer::spawn(
-        ConsumerSpec {
-            group: format!("{}{NAME}.status", config.service.kafka.topic_prefix),
-            topics: vec![fenceline_events::topics::named(
-                &config.service.kafka.topic_prefix,
-                fenceline_events::topics::STATUS,
-            )],
-            instance: format!("{NAME}-{}", uuid::Uuid::now_v7().simple()),
-            drain_grace: config.service.http.shutdown_grace(),
-        },
-        &config.service.kafka,
-        &config.service.consumer,
-        pool.clone(),
-        app.base.outbox.clone(),
-        tasks::StatusProjection,
-        app.base.shutdown.child_token(),
-    )?;
-    app.base.spawn(async move { consumer.join().await });
-
-    let prefix = &config.service.kafka.topic_prefix;
-    let requests = FencedConsumer::spawn(
-        ConsumerSpec {
-            group: format!("{prefix}{NAME}.requests"),
-            topics: vec![fenceline_events::topics::named(prefix, fenceline_events::topics::INTAKE_REQUESTS)],
-            instance: format!("{NAME}-{}", uuid::Uuid::now_v7().simple()),
-            drain_grace: config.service.http.shutdown_grace(),
-        },
-        &config.service.kafka,
-        &config.service.consumer,
-        pool.clone(),
-        app.base.outbox.clone(),
+    app.consume("status", fenceline_events::topics::STATUS, tasks::StatusProjection)?;
+    app.consume(
+        "requests",
+        fenceline_events::topics::INTAKE_REQUESTS,
         upstream::UpstreamRequests { kinds: upstream_kinds },
-        app.base.shutdown.child_token(),
     )?;
-    app.base.spawn(async move { requests.join().await });
 
     let retention = config.intake.idempotency_retention_hours;
     let shutdown = app.base.shutdown.child_token();
@@ -187,7 +158,13 @@ async fn submit(
         .map_err(|_| ApiError::IdempotencyKeyInvalid("Idempotency-Key must be visible ASCII".into()))?;
     let key = IdempotencyKey::parse(key)?;
     let task = body.into_inner().validate(&state.kinds)?;
-    let (accepted, replayed) = match tasks::submit(&pool, &state.outbox, &caller.0, &key, task, "api").await? {
+    Ok(submission_answer(tasks::submit(&pool, &state.outbox, &caller.0, &key, task, "api").await?))
+}
+
+/// `202` with the task id, its status URL as `Location`, and
+/// `Idempotent-Replayed: true` when the key had been used for this request before.
+fn submission_answer(submitted: Submitted) -> HttpResponse {
+    let (accepted, replayed) = match submitted {
         Submitted::Created(accepted) => (accepted, false),
         Submitted::Replayed(accepted) => (accepted, true),
     };
@@ -196,7 +173,7 @@ async fn submit(
     if replayed {
         response.insert_header(("Idempotent-Replayed", "true"));
     }
-    Ok(response.json(accepted))
+    response.json(accepted)
 }
 
 /// A task id from the path; anything else names no task.
@@ -305,15 +282,6 @@ async fn webhook(
         labels: [("webhook_source".to_owned(), path.to_string())].into(),
     }
     .validate(&state.kinds)?;
-    let submitted =
-        tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &format!("webhook:{}", path.as_str())).await?;
-    let (accepted, replayed) = match submitted {
-        Submitted::Created(accepted) => (accepted, false),
-        Submitted::Replayed(accepted) => (accepted, true),
-    };
-    let mut response = HttpResponse::Accepted();
-    if replayed {
-        response.insert_header(("Idempotent-Replayed", "true"));
-    }
-    Ok(response.json(accepted))
+    let source_label = format!("webhook:{}", path.as_str());
+    Ok(submission_answer(tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &source_label).await?))
 }

@@ -10,6 +10,7 @@ pub mod outbox;
 pub use consumer::{
     ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,
 };
+pub use fenceline_events::topics::named as topic_name;
 pub use outbox::{OutboxWriter, Relay, RelayStats};
 
 /// The bus tables (consumer progress, processed events, outbox), migrated into the

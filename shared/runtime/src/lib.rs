@@ -199,6 +199,8 @@ pub struct ServiceApp {
     server: Server,
     port: u16,
     grace: std::time::Duration,
+    kafka: KafkaConfig,
+    consumer: fenceline_config::ConsumerConfig,
 }
 
 impl std::fmt::Debug for ServiceApp {
@@ -235,11 +237,46 @@ impl ServiceApp {
             routes(cfg);
         })?;
         info!(service = name, port, "listening");
-        Ok(Self { base, server, port, grace: config.http.shutdown_grace() })
+        Ok(Self {
+            base,
+            server,
+            port,
+            grace: config.http.shutdown_grace(),
+            kafka: config.kafka.clone(),
+            consumer: config.consumer.clone(),
+        })
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Runs `handler` over `topic` (a contract name) in the fenced consumer, in the
+    /// group `<prefix><service>.<purpose>`, stopped and drained with the service.
+    pub fn consume<H: fenceline_bus::Handler>(&mut self, purpose: &str, topic: &str, handler: H) -> Result<(), Error> {
+        let prefix = &self.kafka.topic_prefix;
+        let consumer = fenceline_bus::FencedConsumer::spawn(
+            fenceline_bus::ConsumerSpec {
+                group: format!("{prefix}{}.{purpose}", self.base.name),
+                topics: vec![fenceline_bus::topic_name(prefix, topic)],
+                // For operators only (fencing is by epoch): which host and process.
+                instance: format!(
+                    "{}-{purpose}@{}:{}",
+                    self.base.name,
+                    std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+                    std::process::id()
+                ),
+                drain_grace: self.grace,
+            },
+            &self.kafka,
+            &self.consumer,
+            self.base.database.pool.clone(),
+            self.base.outbox.clone(),
+            handler,
+            self.base.shutdown.child_token(),
+        )?;
+        self.base.spawn(consumer.join());
+        Ok(())
     }
 
     /// Serves until `shutdown` resolves, then stops in order.

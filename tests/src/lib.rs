@@ -173,6 +173,47 @@ pub fn status_event(task: TaskId, version: i64) -> Event {
     })
 }
 
+/// Starts a relay of `db`'s outbox until `shutdown`; returns its counters.
+pub fn start_relay(
+    name: &str,
+    db: &fenceline_store::Database,
+    kafka: &KafkaConfig,
+    writer: &OutboxWriter,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> std::sync::Arc<fenceline_bus::RelayStats> {
+    let relay = fenceline_bus::Relay::new(name, db.pool.clone(), db.options.clone(), kafka, outbox_config(), writer)
+        .expect("relay");
+    let stats = relay.stats();
+    tokio::spawn(relay.run(shutdown.clone()));
+    stats
+}
+
+/// The probe's consumer over the status topic of `prefix`, writing dead letters
+/// through `writer`.
+pub fn spawn_probe_consumer(
+    db: &fenceline_store::Database,
+    prefix: &str,
+    group: &str,
+    instance: &str,
+    writer: OutboxWriter,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<fenceline_bus::ConsumerHandle, fenceline_bus::Error> {
+    fenceline_bus::FencedConsumer::spawn(
+        fenceline_bus::ConsumerSpec {
+            group: group.to_owned(),
+            topics: vec![fenceline_events::topics::named(prefix, fenceline_events::topics::STATUS)],
+            instance: instance.to_owned(),
+            drain_grace: Duration::from_secs(5),
+        },
+        &kafka(prefix),
+        &consumer_config(),
+        db.pool.clone(),
+        writer,
+        ProbeHandler,
+        shutdown.clone(),
+    )
+}
+
 /// Writes `events` into the outbox of `pool`'s schema, one transaction each
 /// `chunk` events, as a service would.
 pub async fn write_outbox(pool: &sqlx::PgPool, writer: &OutboxWriter, topic: &str, events: &[Event], chunk: usize) {

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use fenceline_bus::{ConsumerSpec, FencedConsumer, OutboxWriter, Relay};
+use fenceline_bus::OutboxWriter;
 use fenceline_domain::ids::TaskId;
 use fenceline_events::{Event, topics};
 use fenceline_store::Database;
@@ -35,10 +35,7 @@ impl Upstream {
         let db = schema(url, "upstream").await;
         let writer = OutboxWriter::new("upstream", prefix, outbox_config().shards);
         let shutdown = CancellationToken::new();
-        let relay =
-            Relay::new("upstream-relay", db.pool.clone(), db.options.clone(), &kafka(prefix), outbox_config(), &writer)
-                .expect("relay");
-        tokio::spawn(relay.run(shutdown.clone()));
+        start_relay("upstream-relay", &db, &kafka(prefix), &writer, &shutdown);
         Self { db, writer, shutdown }
     }
 
@@ -68,31 +65,8 @@ fn spawn_consumer(
     shutdown: &CancellationToken,
 ) -> fenceline_bus::ConsumerHandle {
     let writer = OutboxWriter::new("consumer", prefix, outbox_config().shards);
-    let relay = Relay::new(
-        format!("{instance}-relay"),
-        db.pool.clone(),
-        db.options.clone(),
-        &kafka(prefix),
-        outbox_config(),
-        &writer,
-    )
-    .expect("relay");
-    tokio::spawn(relay.run(shutdown.clone()));
-    FencedConsumer::spawn(
-        ConsumerSpec {
-            group: group.to_owned(),
-            topics: vec![topics::named(prefix, topics::STATUS)],
-            instance: instance.to_owned(),
-            drain_grace: Duration::from_secs(5),
-        },
-        &kafka(prefix),
-        &consumer_config(),
-        db.pool.clone(),
-        writer,
-        ProbeHandler,
-        shutdown.clone(),
-    )
-    .expect("consumer")
+    start_relay(&format!("{instance}-relay"), db, &kafka(prefix), &writer, shutdown);
+    spawn_probe_consumer(db, prefix, group, instance, writer, shutdown).expect("consumer")
 }
 
 fn probe_env(url: &str, prefix: &str, group: &str, instance: &str) -> Vec<(&'static str, String)> {
@@ -337,10 +311,7 @@ async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() 
     let shutdown = CancellationToken::new();
     let mut stats = Vec::new();
     for name in ["relay-1", "relay-2"] {
-        let relay = Relay::new(name, db.pool.clone(), db.options.clone(), &kafka(&prefix), outbox_config(), &writer)
-            .expect("relay");
-        stats.push(relay.stats());
-        tokio::spawn(relay.run(shutdown.clone()));
+        stats.push(start_relay(name, &db, &kafka(&prefix), &writer, &shutdown));
     }
     // Written while both relays run, in many small transactions.
     let all = events(20, 100);
@@ -373,11 +344,8 @@ async fn a_broker_down_for_30_seconds_delays_events_but_loses_none() {
         .expect("topics");
     let db = schema(&url, "upstream").await;
     let writer = OutboxWriter::new("upstream", prefix.clone(), outbox_config().shards);
-    let relay =
-        Relay::new("relay", db.pool.clone(), db.options.clone(), &kafka, outbox_config(), &writer).expect("relay");
-    let stats = relay.stats();
     let shutdown = CancellationToken::new();
-    tokio::spawn(relay.run(shutdown.clone()));
+    let stats = start_relay("relay", &db, &kafka, &writer, &shutdown);
 
     write_outbox(&db.pool, &writer, topics::STATUS, &events(10, 10), 50).await;
     broker.kill();

@@ -254,16 +254,7 @@ async fn reads_follow_the_status_topic_and_never_go_backwards() {
     .expect("publisher schema");
     let writer = fenceline_bus::OutboxWriter::new("publisher", intake.prefix.clone(), outbox_config().shards);
     let shutdown = CancellationToken::new();
-    let relay = fenceline_bus::Relay::new(
-        "publisher-relay",
-        db.pool.clone(),
-        db.options.clone(),
-        &kafka(&intake.prefix),
-        outbox_config(),
-        &writer,
-    )
-    .expect("relay");
-    tokio::spawn(relay.run(shutdown.clone()));
+    start_relay("publisher-relay", &db, &kafka(&intake.prefix), &writer, &shutdown);
     let mut running = status_event(task_id, 2);
     let mut stale = status_event(task_id, 1);
     if let (fenceline_events::Event::TaskStatus(r), fenceline_events::Event::TaskStatus(s)) = (&mut running, &mut stale)

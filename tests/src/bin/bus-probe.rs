@@ -5,9 +5,7 @@
 //! the probe projection; `bus-probe relay` only publishes the outbox. Settings come
 //! from `PROBE_DATABASE_URL`, `PROBE_TOPIC_PREFIX`, `PROBE_GROUP`, `PROBE_INSTANCE`.
 
-use std::time::Duration;
-
-use fenceline_bus::{ConsumerSpec, FencedConsumer, OutboxWriter, Relay};
+use fenceline_bus::OutboxWriter;
 use fenceline_tests::*;
 use tokio_util::sync::CancellationToken;
 
@@ -25,23 +23,15 @@ async fn main() -> anyhow::Result<()> {
             .await?;
     let writer = OutboxWriter::new("bus-probe", prefix.clone(), outbox_config().shards);
     let shutdown = CancellationToken::new();
-    let relay =
-        Relay::new("probe-relay", database.pool.clone(), database.options.clone(), &kafka, outbox_config(), &writer)?;
-    let relay = tokio::spawn(relay.run(shutdown.clone()));
+    start_relay("probe-relay", &database, &kafka, &writer, &shutdown);
     let consumer = match mode.as_str() {
-        "consume" => Some(FencedConsumer::spawn(
-            ConsumerSpec {
-                group: var("PROBE_GROUP")?,
-                topics: vec![fenceline_events::topics::named(&prefix, fenceline_events::topics::STATUS)],
-                instance: var("PROBE_INSTANCE")?,
-                drain_grace: Duration::from_secs(5),
-            },
-            &kafka,
-            &consumer_config(),
-            database.pool.clone(),
+        "consume" => Some(spawn_probe_consumer(
+            &database,
+            &prefix,
+            &var("PROBE_GROUP")?,
+            &var("PROBE_INSTANCE")?,
             writer,
-            ProbeHandler,
-            shutdown.clone(),
+            &shutdown,
         )?),
         "relay" => None,
         other => anyhow::bail!("unknown mode `{other}`: consume or relay"),
@@ -52,6 +42,5 @@ async fn main() -> anyhow::Result<()> {
     if let Some(consumer) = consumer {
         consumer.join().await;
     }
-    let _ = relay.await;
     Ok(())
 }

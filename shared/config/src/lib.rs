@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 
+pub mod catalog;
+
 /// A configuration that parsed but does not make sense as a whole.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration: {0}")]

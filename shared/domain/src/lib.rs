@@ -3,6 +3,7 @@
 
 pub mod calls;
 pub mod ids;
+pub mod lifecycle;
 pub mod outbox;
 pub mod progress;
 pub mod vocabulary;

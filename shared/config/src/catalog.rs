@@ -1,0 +1,251 @@
+//! The provider and task-kind catalogue: one JSON file (`FENCELINE_CATALOG`) that
+//! the scheduler (slots, rates, lease budgets), the executor (steps, calls) and the
+//! reconciler (look-ups, capabilities) read alike. Providers are configured, not
+//! coded (DESIGN.md section 8).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use fenceline_domain::calls::ProviderCapabilities;
+use fenceline_domain::vocabulary::ErrorClass;
+use serde::Deserialize;
+
+use crate::{Error, require_nested};
+
+/// Everything the catalogue file declares.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Catalog {
+    pub providers: BTreeMap<String, ProviderSpec>,
+    pub kinds: BTreeMap<String, KindSpec>,
+}
+
+/// How to reach one provider and what it can do.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderSpec {
+    /// Base URL of the provider protocol (docs/provider-protocol.md).
+    pub base_url: String,
+    /// Name of an environment variable holding the `Authorization` header value;
+    /// the secret itself never sits in the catalogue.
+    #[serde(default)]
+    pub auth_header_env: Option<String>,
+    #[serde(default)]
+    pub capabilities: Capabilities,
+    /// One HTTP call, send to last byte of the answer.
+    pub call_timeout_ms: u64,
+    /// Calls in flight at once, across every executor.
+    pub concurrency: u32,
+    /// Calls started per second across every executor, and the burst above it.
+    pub rate_per_second: f64,
+    pub burst: f64,
+    /// Status codes this provider uses its own way, mapped to an error class.
+    #[serde(default)]
+    pub status_overrides: HashMap<u16, String>,
+}
+
+/// What a provider declares it can do.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capabilities {
+    #[serde(default)]
+    pub idempotency_keys: bool,
+    #[serde(default)]
+    pub lookup: bool,
+    #[serde(default)]
+    pub async_results: bool,
+}
+
+/// One task kind: its steps in order and its limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KindSpec {
+    pub steps: Vec<StepSpec>,
+    /// Attempts that may fail (not counting busy or throttled) before a person is asked.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// How long one attempt may run in all; the executor's lease budget.
+    pub attempt_budget_ms: u64,
+    /// Concurrent attempts per tenant of this kind (0: no limit of its own).
+    #[serde(default)]
+    pub tenant_concurrency: u32,
+}
+
+fn default_max_attempts() -> u32 {
+    5
+}
+
+/// A step: either a paid call at a provider, or a wait for a named signal.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepSpec {
+    pub name: String,
+    #[serde(default)]
+    pub provider: Option<String>,
+    #[serde(default)]
+    pub operation: Option<String>,
+    /// For an approval step: the signal that lets the task continue.
+    #[serde(default)]
+    pub approval_signal: Option<String>,
+}
+
+impl StepSpec {
+    /// The provider and operation of a call step; `None` for an approval.
+    pub fn call(&self) -> Option<(&str, &str)> {
+        Some((self.provider.as_deref()?, self.operation.as_deref().unwrap_or(&self.name)))
+    }
+}
+
+impl ProviderSpec {
+    pub fn capabilities(&self) -> ProviderCapabilities {
+        ProviderCapabilities { idempotency_keys: self.capabilities.idempotency_keys, lookup: self.capabilities.lookup }
+    }
+
+    pub fn call_timeout(&self) -> Duration {
+        Duration::from_millis(self.call_timeout_ms)
+    }
+
+    /// The status-code overrides, typed.
+    pub fn overrides(&self) -> HashMap<u16, ErrorClass> {
+        self.status_overrides.iter().filter_map(|(code, class)| Some((*code, class.parse().ok()?))).collect()
+    }
+}
+
+impl KindSpec {
+    pub fn attempt_budget(&self) -> Duration {
+        Duration::from_millis(self.attempt_budget_ms)
+    }
+
+    /// The provider whose slot an attempt of this kind takes: its first call step's.
+    pub fn slot_provider(&self) -> Option<&str> {
+        self.steps.iter().find_map(|s| s.call().map(|(provider, _)| provider))
+    }
+
+    /// The step that follows `after` (the first step when `None`).
+    pub fn step_index_after(&self, after: Option<&str>) -> usize {
+        after.and_then(|name| self.steps.iter().position(|s| s.name == name)).map_or(0, |i| i + 1)
+    }
+}
+
+impl Catalog {
+    /// Reads and checks the catalogue file.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error(format!("reading {}: {e}", path.display())))?;
+        Self::parse(&text).map_err(|e| Error(format!("{}: {}", path.display(), e.0)))
+    }
+
+    /// Parses and checks a catalogue: every step names a known provider or a
+    /// signal, status overrides are known classes, and timeouts nest (one call
+    /// is shorter than the attempt that makes it).
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        let catalog: Catalog = serde_json::from_str(text).map_err(|e| Error(format!("catalogue: {e}")))?;
+        for (name, provider) in &catalog.providers {
+            for class in provider.status_overrides.values() {
+                class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
+            }
+            if provider.concurrency == 0 || provider.rate_per_second <= 0.0 || provider.burst < 1.0 {
+                return Err(Error(format!(
+                    "provider `{name}`: concurrency, rate_per_second and burst must be positive"
+                )));
+            }
+        }
+        for (kind, spec) in &catalog.kinds {
+            if spec.steps.is_empty() {
+                return Err(Error(format!("kind `{kind}` has no steps")));
+            }
+            if spec.max_attempts == 0 {
+                return Err(Error(format!("kind `{kind}`: max_attempts must be at least 1")));
+            }
+            for step in &spec.steps {
+                match (step.call(), &step.approval_signal) {
+                    (Some((provider, _)), None) => {
+                        let Some(p) = catalog.providers.get(provider) else {
+                            return Err(Error(format!("kind `{kind}` step `{}`: no provider `{provider}`", step.name)));
+                        };
+                        require_nested(
+                            &format!("provider `{provider}` call timeout"),
+                            p.call_timeout(),
+                            &format!("kind `{kind}` attempt budget"),
+                            spec.attempt_budget(),
+                        )?;
+                    }
+                    (None, Some(_)) => {}
+                    _ => {
+                        return Err(Error(format!(
+                            "kind `{kind}` step `{}` needs exactly one of `provider` or `approval_signal`",
+                            step.name
+                        )));
+                    }
+                }
+            }
+            if spec.slot_provider().is_none() {
+                return Err(Error(format!("kind `{kind}` makes no provider call")));
+            }
+        }
+        Ok(catalog)
+    }
+
+    pub fn kind(&self, kind: &str) -> Option<&KindSpec> {
+        self.kinds.get(kind)
+    }
+
+    pub fn provider(&self, provider: &str) -> Option<&ProviderSpec> {
+        self.providers.get(provider)
+    }
+}
+
+/// Where the catalogue file is.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CatalogConfig {
+    /// The provider and task-kind catalogue, a JSON file (docs/catalog.md).
+    #[arg(long = "catalog", env = "FENCELINE_CATALOG")]
+    pub catalog: std::path::PathBuf,
+}
+
+impl CatalogConfig {
+    pub fn load(&self) -> Result<Catalog, Error> {
+        Catalog::load(&self.catalog)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"{
+        "providers": {"img": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
+                              "rate_per_second": 5, "burst": 5, "status_overrides": {"409": "ambiguous"}}},
+        "kinds": {"image.generate": {"steps": [{"name": "render", "provider": "img"}], "attempt_budget_ms": 5000},
+                  "ticket.triage": {"steps": [{"name": "approve", "approval_signal": "ok"},
+                                              {"name": "refund", "provider": "img", "operation": "pay"}],
+                                    "attempt_budget_ms": 5000}}
+    }"#;
+
+    #[test]
+    fn a_good_catalogue_parses_with_its_defaults() {
+        let catalog = Catalog::parse(GOOD).expect("valid");
+        let kind = catalog.kind("ticket.triage").expect("kind");
+        assert_eq!(kind.max_attempts, 5);
+        assert_eq!(kind.slot_provider(), Some("img"));
+        assert_eq!(kind.steps[1].call(), Some(("img", "pay")));
+        assert_eq!(kind.step_index_after(None), 0);
+        assert_eq!(kind.step_index_after(Some("approve")), 1);
+        assert_eq!(catalog.provider("img").expect("img").overrides().get(&409), Some(&ErrorClass::Ambiguous));
+    }
+
+    #[test]
+    fn bad_catalogues_are_refused_with_the_reason() {
+        let cases = [
+            (GOOD.replace("\"provider\": \"img\"}]", "\"provider\": \"nope\"}]"), "no provider `nope`"),
+            (GOOD.replace("\"attempt_budget_ms\": 5000}}", "\"attempt_budget_ms\": 500}}"), "must be shorter"),
+            (GOOD.replace("\"ambiguous\"", "\"maybe\""), "not a known error class"),
+            (GOOD.replace("\"concurrency\": 2", "\"concurrency\": 0"), "must be positive"),
+            (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"colour\": 1,"), "unknown field"),
+        ];
+        for (text, expected) in cases {
+            let err = Catalog::parse(&text).expect_err(expected).to_string();
+            assert!(err.contains(expected), "{err} should mention {expected}");
+        }
+    }
+}

@@ -273,13 +273,14 @@ impl Task {
                 self.recovered(decision, result, case_id, jitter, now, policy);
             }
             Input::CancelRequested => self.cancel(effects),
-            Input::Signal { name } => {
-                if self.state == TaskState::AwaitingApproval && self.awaiting_signal.as_deref() == Some(name.as_str()) {
-                    self.awaiting_signal = None;
-                    self.resume_after_step = self.step.clone();
-                    self.wait_until(now, format!("signal `{name}` received"));
-                    self.state = TaskState::Queued;
-                }
+            Input::Signal { name }
+                if self.state == TaskState::AwaitingApproval
+                    && self.awaiting_signal.as_deref() == Some(name.as_str()) =>
+            {
+                self.awaiting_signal = None;
+                self.resume_after_step = self.step.clone();
+                self.wait_until(now, format!("signal `{name}` received"));
+                self.state = TaskState::Queued;
             }
             Input::Resolution { action, result } if self.state == TaskState::OutcomeUnknown => match action {
                 ResolutionAction::RetryAsNew => {
@@ -292,18 +293,17 @@ impl Task {
                     self.state = TaskState::Queued;
                 }
                 ResolutionAction::AcceptFailed => self.finish(TaskState::Failed, "accepted as failed by a person"),
-                ResolutionAction::AttachResult => match result {
-                    Some(result) => {
+                ResolutionAction::AttachResult => {
+                    if let Some(result) = result {
                         self.result = Some(result);
                         self.finish(TaskState::Succeeded, "result attached by a person");
                     }
-                    None => {}
-                },
-            },
-            Input::DeadlinePassed => {
-                if self.live_grant.is_none() && matches!(self.state, TaskState::Queued | TaskState::Waiting) {
-                    self.finish(TaskState::Failed, "the deadline passed before the task could run");
                 }
+            },
+            Input::DeadlinePassed
+                if self.live_grant.is_none() && matches!(self.state, TaskState::Queued | TaskState::Waiting) =>
+            {
+                self.finish(TaskState::Failed, "the deadline passed before the task could run");
             }
             // Stale or duplicate: about an attempt that is not the live one.
             _ => {}

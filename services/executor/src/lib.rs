@@ -1,6 +1,15 @@
 //! Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints.
 
+pub mod grants;
+pub mod worker;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use fenceline_config::ServiceConfig;
+use fenceline_config::catalog::CatalogConfig;
+use fenceline_events::topics;
+use fenceline_providers::HttpProvider;
 use fenceline_runtime::{Error, ServiceApp};
 
 /// The service's name: its log field, its database schema, its outbox producer.
@@ -18,10 +27,65 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 pub struct Config {
     #[command(flatten)]
     pub service: ServiceConfig,
+    #[command(flatten)]
+    pub catalog: CatalogConfig,
+    #[command(flatten)]
+    pub executor: ExecutorSettings,
 }
 
-/// Builds the executor: connects and migrates its schema, starts its outbox relay and
-/// binds its HTTP listener. Tests start exactly what the binary runs.
+/// Workers, leases and polling.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExecutorSettings {
+    /// Executions this process runs at once.
+    #[arg(long = "workers", env = "FENCELINE_EXECUTOR_WORKERS", default_value_t = 8)]
+    pub workers: usize,
+
+    /// Lease length, in milliseconds; renewed every third of it. A worker that
+    /// stops renewing is taken over this long after its last renewal.
+    #[arg(long = "lease-ms", env = "FENCELINE_EXECUTOR_LEASE_MS", default_value_t = 15_000)]
+    pub lease_ms: u64,
+
+    /// How often an idle worker looks for work another instance recorded, in milliseconds.
+    #[arg(long = "idle-poll-ms", env = "FENCELINE_EXECUTOR_IDLE_POLL_MS", default_value_t = 250)]
+    pub idle_poll_ms: u64,
+
+    /// How often an accepted asynchronous operation is polled, in milliseconds.
+    #[arg(long = "poll-ms", env = "FENCELINE_EXECUTOR_POLL_MS", default_value_t = 250)]
+    pub poll_ms: u64,
+}
+
+/// Builds the executor: connects and migrates its schema, starts its outbox relay,
+/// its consumer of grants and its workers.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await
+    let catalog = Arc::new(config.catalog.load()?);
+    let settings = Arc::new(config.executor);
+    if settings.workers == 0 || settings.lease_ms < 300 {
+        return Err(Error::Config(fenceline_config::Error("at least one worker and a lease of 300 ms or more".into())));
+    }
+    let providers: HashMap<String, HttpProvider> =
+        catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
+    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {})
+        .await?;
+    let wake = Arc::new(tokio::sync::Notify::new());
+    app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder { wake: wake.clone() })?;
+    let workers = worker::Workers {
+        pool: app.base.database.pool.clone(),
+        outbox: app.base.outbox.clone(),
+        catalog,
+        providers: Arc::new(providers),
+        settings: settings.clone(),
+        wake,
+        name: format!(
+            "{}:{}",
+            std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+            std::process::id()
+        ),
+    };
+    for index in 0..settings.workers {
+        // Stopping claims at shutdown; an execution in flight finishes within the
+        // grace period, one not yet at its call intent is handed back.
+        let shutdown = app.base.shutdown.child_token();
+        app.base.spawn(workers.clone().run(index, shutdown));
+    }
+    Ok(app)
 }

@@ -118,10 +118,10 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     .await?;
     let pool = app.base.database.pool.clone();
 
-    app.consume("status", fenceline_events::topics::STATUS, tasks::StatusProjection)?;
+    app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection)?;
     app.consume(
         "requests",
-        fenceline_events::topics::INTAKE_REQUESTS,
+        &[fenceline_events::topics::INTAKE_REQUESTS],
         upstream::UpstreamRequests { kinds: upstream_kinds },
     )?;
 

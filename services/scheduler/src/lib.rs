@@ -1,6 +1,15 @@
 //! Scheduler: the authority on task state. Lifecycle, durable timers, concurrency slots, rate limits, backoff and fairness.
 
+pub mod dispatcher;
+pub mod events;
+pub mod tasks;
+
+use std::sync::Arc;
+use std::time::Duration;
+
 use fenceline_config::ServiceConfig;
+use fenceline_config::catalog::CatalogConfig;
+use fenceline_events::topics;
 use fenceline_runtime::{Error, ServiceApp};
 
 /// The service's name: its log field, its database schema, its outbox producer.
@@ -18,10 +27,77 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 pub struct Config {
     #[command(flatten)]
     pub service: ServiceConfig,
+    #[command(flatten)]
+    pub catalog: CatalogConfig,
+    #[command(flatten)]
+    pub scheduler: SchedulerSettings,
 }
 
-/// Builds the scheduler: connects and migrates its schema, starts its outbox relay and
-/// binds its HTTP listener. Tests start exactly what the binary runs.
+/// The retry policy and the dispatcher's settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SchedulerSettings {
+    /// First retry's backoff ceiling, in milliseconds (full jitter below it).
+    #[arg(long = "backoff-base-ms", env = "FENCELINE_SCHEDULER_BACKOFF_BASE_MS", default_value_t = 1_000)]
+    pub backoff_base_ms: u64,
+
+    /// Largest backoff, in milliseconds.
+    #[arg(long = "backoff-cap-ms", env = "FENCELINE_SCHEDULER_BACKOFF_CAP_MS", default_value_t = 60_000)]
+    pub backoff_cap_ms: u64,
+
+    /// How long a task released as busy waits before it is granted again, in milliseconds.
+    #[arg(long = "busy-wait-ms", env = "FENCELINE_SCHEDULER_BUSY_WAIT_MS", default_value_t = 2_000)]
+    pub busy_wait_ms: u64,
+
+    /// Most tenants considered per dispatch round.
+    #[arg(long = "tenants-per-round", env = "FENCELINE_SCHEDULER_TENANTS_PER_ROUND", default_value_t = 500)]
+    pub tenants_per_round: i64,
+}
+
+/// Builds the scheduler: connects and migrates its schema, starts its outbox relay,
+/// its consumer of tasks, attempts and recovery decisions, and its dispatcher.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await
+    let catalog = Arc::new(config.catalog.load()?);
+    if config.scheduler.backoff_base_ms == 0 || config.scheduler.backoff_cap_ms < config.scheduler.backoff_base_ms {
+        return Err(Error::Config(fenceline_config::Error(
+            "backoff base must be positive and not above the cap".into(),
+        )));
+    }
+    let settings = Arc::new(config.scheduler);
+    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {})
+        .await?;
+    // Commits that set a timer or free a slot notify this channel (one per schema).
+    let channel: Arc<str> =
+        format!("fenceline_{}_due", config.service.postgres.schema.as_deref().unwrap_or(NAME)).into();
+    let handler = events::LifecycleEvents { catalog: catalog.clone(), settings: settings.clone(), channel: channel.clone() };
+    app.consume("lifecycle", &[topics::TASKS, topics::ATTEMPTS, topics::RECOVERY], handler)?;
+    let dispatcher = dispatcher::Dispatcher {
+        pool: app.base.database.pool.clone(),
+        outbox: app.base.outbox.clone(),
+        catalog,
+        settings,
+        channel,
+    };
+    let shutdown = app.base.shutdown.child_token();
+    app.base.spawn(dispatcher.run(shutdown));
+    let pool = app.base.database.pool.clone();
+    let shutdown = app.base.shutdown.child_token();
+    app.base.spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => {
+                    let now = fenceline_events::Timestamp::now().0;
+                    match sqlx::query("DELETE FROM slots WHERE expires_at_us < $1").bind(now).execute(&pool).await {
+                        Ok(r) if r.rows_affected() > 0 => {
+                            tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "expiring slots failed"),
+                    }
+                }
+            }
+        }
+    });
+    Ok(app)
 }

@@ -46,3 +46,17 @@ macro_rules! fault {
         })
     };
 }
+
+/// Whether the fault point `name` fires now, for points that drop work on the
+/// floor (a record lost in transit) instead of failing an operation. Always
+/// `false` without the `faults` feature.
+#[cfg(feature = "faults")]
+pub fn drops(name: &'static str) -> bool {
+    fail::eval(name, |action: Option<String>| on_return(name, action)).is_some()
+}
+
+/// Whether the fault point `name` fires now. Always `false` without the `faults` feature.
+#[cfg(not(feature = "faults"))]
+pub fn drops(_name: &'static str) -> bool {
+    false
+}

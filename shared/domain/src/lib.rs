@@ -4,6 +4,7 @@
 pub mod calls;
 pub mod ids;
 pub mod lifecycle;
+pub mod limits;
 pub mod outbox;
 pub mod progress;
 pub mod vocabulary;

@@ -251,14 +251,19 @@ impl ServiceApp {
         self.port
     }
 
-    /// Runs `handler` over `topic` (a contract name) in the fenced consumer, in the
+    /// Runs `handler` over `topics` (contract names) in the fenced consumer, in the
     /// group `<prefix><service>.<purpose>`, stopped and drained with the service.
-    pub fn consume<H: fenceline_bus::Handler>(&mut self, purpose: &str, topic: &str, handler: H) -> Result<(), Error> {
+    pub fn consume<H: fenceline_bus::Handler>(
+        &mut self,
+        purpose: &str,
+        topics: &[&str],
+        handler: H,
+    ) -> Result<(), Error> {
         let prefix = &self.kafka.topic_prefix;
         let consumer = fenceline_bus::FencedConsumer::spawn(
             fenceline_bus::ConsumerSpec {
                 group: format!("{prefix}{}.{purpose}", self.base.name),
-                topics: vec![fenceline_bus::topic_name(prefix, topic)],
+                topics: topics.iter().map(|topic| fenceline_bus::topic_name(prefix, topic)).collect(),
                 // For operators only (fencing is by epoch): which host and process.
                 instance: format!(
                     "{}-{purpose}@{}:{}",

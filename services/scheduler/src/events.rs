@@ -1,0 +1,164 @@
+//! The scheduler's consumer: every event on `fenceline.tasks`, `fenceline.attempts`
+//! and `fenceline.recovery` becomes one lifecycle input of its task, applied under
+//! the task's row lock inside the fenced batch transaction.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_config::catalog::Catalog;
+use fenceline_domain::lifecycle::{Input, Task};
+use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
+use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
+use sqlx::PgConnection;
+
+use crate::SchedulerSettings;
+use crate::tasks::{self, Context, TaskRow};
+
+/// Applies task, attempt and recovery events to the lifecycle.
+#[derive(Debug, Clone)]
+pub struct LifecycleEvents {
+    pub catalog: Arc<Catalog>,
+    pub settings: Arc<SchedulerSettings>,
+    pub channel: Arc<str>,
+}
+
+fn jitter() -> f64 {
+    rand::random::<f64>()
+}
+
+impl LifecycleEvents {
+    fn ctx<'a>(&'a self, outbox: &'a OutboxWriter) -> Context<'a> {
+        Context { outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel }
+    }
+
+    async fn accept(&self, tx: &mut PgConnection, outbox: &OutboxWriter, e: &TaskAccepted) -> Result<(), HandleError> {
+        let now = Timestamp::now().0;
+        let mut task = Task::accepted(now, e.not_before.map(|t| t.0), e.deadline.map(|t| t.0));
+        let kind = self.catalog.kind(&e.kind);
+        if kind.is_none() {
+            task.state = TaskState::Failed;
+            task.reason = Some(format!("no kind `{}` in the scheduler's catalogue", e.kind));
+            task.due_at = None;
+        }
+        let priority = match e.priority {
+            Priority::High => 0i16,
+            Priority::Normal => 1,
+            Priority::Low => 2,
+        };
+        let inserted = sqlx::query(
+            "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
+             deadline_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (task_id) DO NOTHING",
+        )
+        .bind(e.task_id.as_uuid())
+        .bind(&e.tenant)
+        .bind(&e.kind)
+        .bind(&e.input_json)
+        .bind(priority)
+        .bind(kind.and_then(|k| k.slot_provider()))
+        .bind(sqlx::types::Json(&task))
+        .bind(task.state.as_str())
+        .bind(e.deadline.map(|t| t.0))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted == 0 {
+            return Ok(());
+        }
+        let row = TaskRow {
+            task_id: e.task_id,
+            tenant: e.tenant.clone(),
+            kind: e.kind.clone(),
+            input_json: e.input_json.clone(),
+            lifecycle: task.clone(),
+            version: 1,
+            pending_signal: None,
+            pending_step: None,
+        };
+        outbox.append(tx, topics::STATUS, None, &tasks::status_of(&row, &task, 1, now)).await?;
+        tasks::save(tx, self.ctx(outbox), e.task_id, &task, 1).await?;
+        Ok(())
+    }
+}
+
+/// The live grant of `attempt`, if `attempt` is the task's current one.
+fn grant_of(row: &TaskRow, attempt: i32) -> Option<fenceline_domain::ids::GrantId> {
+    (i64::from(row.lifecycle.attempt) == i64::from(attempt)).then_some(row.lifecycle.live_grant).flatten()
+}
+
+impl Handler for LifecycleEvents {
+    async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let event = &record.envelope.event;
+        if let Event::TaskAccepted(e) = event {
+            return self.accept(tx, outbox, e).await;
+        }
+        let Some(task_id) = event.task_id() else {
+            return Err(HandleError::Poison(format!("{} is not about a task", event.event_type())));
+        };
+        let Some(row) = tasks::lock(tx, task_id).await? else {
+            // Only events of tasks this scheduler accepted can exist; anything else
+            // is a record from elsewhere.
+            tracing::warn!(%task_id, event_type = event.event_type(), "event for an unknown task ignored");
+            return Ok(());
+        };
+        let input = match event {
+            Event::CancelRequested(_) => Input::CancelRequested,
+            Event::SignalReceived(e) => Input::Signal { name: e.signal_name.clone() },
+            Event::ResolutionDecided(e) => {
+                Input::Resolution { action: e.action, result: e.attached_result.as_ref().map(tasks::artifact) }
+            }
+            Event::AttemptClaimed(e) => Input::Claimed { grant_id: e.grant_id },
+            Event::CallIntentRecorded(e) => match grant_of(&row, e.attempt) {
+                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::CallIntent },
+                None => return Ok(()),
+            },
+            Event::ProviderAccepted(e) => match grant_of(&row, e.attempt) {
+                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::ProviderAccepted },
+                None => return Ok(()),
+            },
+            Event::StepCheckpointed(e) => match grant_of(&row, e.attempt) {
+                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::ResultRecorded },
+                None => return Ok(()),
+            },
+            Event::AwaitingSignal(e) => {
+                sqlx::query("UPDATE tasks SET pending_signal = $2, pending_step = $3 WHERE task_id = $1")
+                    .bind(task_id.as_uuid())
+                    .bind(&e.signal_name)
+                    .bind(&e.step)
+                    .execute(&mut *tx)
+                    .await?;
+                return Ok(());
+            }
+            Event::AttemptSucceeded(e) => {
+                Input::Succeeded { grant_id: e.grant_id, result: tasks::artifact(&e.result) }
+            }
+            Event::AttemptFailed(e) => Input::Failed {
+                grant_id: e.grant_id,
+                class: e.error_class,
+                message: e.message.clone(),
+                retry_after: e.retry_after_ms.and_then(|ms| u64::try_from(ms).ok()).map(Duration::from_millis),
+                jitter: jitter(),
+            },
+            Event::AttemptReleased(e) => {
+                let waiting = e.reason == ReleaseReason::AwaitingSignal;
+                Input::Released {
+                    grant_id: e.grant_id,
+                    reason: e.reason,
+                    step: waiting.then(|| row.pending_step.clone()).flatten(),
+                    signal: waiting.then(|| row.pending_signal.clone()).flatten(),
+                }
+            }
+            Event::AttemptLost(e) => Input::Lost { grant_id: e.grant_id, phase: e.last_phase },
+            Event::RecoveryDecided(e) => Input::Recovery {
+                attempt: u32::try_from(e.attempt).unwrap_or_default(),
+                decision: e.decision,
+                result: e.result.as_ref().map(tasks::artifact),
+                case_id: e.case_id.clone(),
+                jitter: jitter(),
+            },
+            other => return Err(HandleError::Poison(format!("the scheduler does not take {}", other.event_type()))),
+        };
+        tasks::apply(tx, self.ctx(outbox), &row, input, Timestamp::now().0).await?;
+        Ok(())
+    }
+}

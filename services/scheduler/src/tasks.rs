@@ -1,0 +1,242 @@
+//! The scheduler's task rows: load one under its row lock, apply a lifecycle input,
+//! store the result, carry out the effects (grants, cancellations, slot releases)
+//! and publish the status, all in the caller's transaction.
+
+use fenceline_bus::OutboxWriter;
+use fenceline_config::catalog::Catalog;
+use fenceline_domain::calls::Backoff;
+use fenceline_domain::ids::{GrantId, TaskId};
+use fenceline_domain::lifecycle::{Artifact, Effect, Input, Micros, Policy, Task};
+use fenceline_domain::vocabulary::TaskState;
+use fenceline_events::{ArtifactRef, AttemptGranted, CancelAttempt, Event, TaskStatus, Timestamp, topics};
+use sqlx::PgConnection;
+use std::time::Duration;
+
+use crate::SchedulerSettings;
+
+/// A task row as the scheduler keeps it.
+#[derive(Debug, Clone)]
+pub struct TaskRow {
+    pub task_id: TaskId,
+    pub tenant: String,
+    pub kind: String,
+    pub input_json: String,
+    pub lifecycle: Task,
+    pub version: i64,
+    pub pending_signal: Option<String>,
+    pub pending_step: Option<String>,
+}
+
+type RawRow = (uuid::Uuid, String, String, String, sqlx::types::Json<Task>, i64, Option<String>, Option<String>);
+
+impl From<RawRow> for TaskRow {
+    fn from(r: RawRow) -> Self {
+        TaskRow {
+            task_id: TaskId::from_uuid(r.0),
+            tenant: r.1,
+            kind: r.2,
+            input_json: r.3,
+            lifecycle: r.4.0,
+            version: r.5,
+            pending_signal: r.6,
+            pending_step: r.7,
+        }
+    }
+}
+
+const SELECT: &str =
+    "SELECT task_id, tenant, kind, input_json, lifecycle, version, pending_signal, pending_step FROM tasks";
+
+/// Loads and row-locks a task.
+pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
+    let row: Option<RawRow> = sqlx::query_as(&format!("{SELECT} WHERE task_id = $1 FOR UPDATE"))
+        .bind(task_id.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+    Ok(row.map(TaskRow::from))
+}
+
+/// Loads and row-locks a task only if it is due and no other instance holds it.
+pub async fn lock_if_due(tx: &mut PgConnection, task_id: TaskId, now: Micros) -> Result<Option<TaskRow>, sqlx::Error> {
+    let row: Option<RawRow> =
+        sqlx::query_as(&format!("{SELECT} WHERE task_id = $1 AND due_at_us <= $2 FOR UPDATE SKIP LOCKED"))
+            .bind(task_id.as_uuid())
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?;
+    Ok(row.map(TaskRow::from))
+}
+
+/// The policy of a kind, from the catalogue and the scheduler's settings.
+pub fn policy(catalog: &Catalog, kind: &str, settings: &SchedulerSettings) -> Policy {
+    Policy {
+        max_attempts: catalog.kind(kind).map_or(1, |k| k.max_attempts),
+        backoff: Backoff {
+            base: Duration::from_millis(settings.backoff_base_ms),
+            cap: Duration::from_millis(settings.backoff_cap_ms),
+        },
+        busy_wait: Duration::from_millis(settings.busy_wait_ms),
+    }
+}
+
+/// Everything applying an input needs besides the transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    pub outbox: &'a OutboxWriter,
+    pub catalog: &'a Catalog,
+    pub settings: &'a SchedulerSettings,
+    pub channel: &'a str,
+}
+
+/// Applies `input` to a locked row, stores it, carries out the effects and
+/// publishes the status if anything visible changed. Returns the new lifecycle.
+pub async fn apply(
+    tx: &mut PgConnection,
+    ctx: Context<'_>,
+    row: &TaskRow,
+    input: Input,
+    now: Micros,
+) -> Result<Task, fenceline_bus::Error> {
+    let policy = policy(ctx.catalog, &row.kind, ctx.settings);
+    let transition = row.lifecycle.apply(input, now, &policy);
+    let mut version = row.version;
+    for effect in &transition.effects {
+        carry_out(tx, ctx, row, &transition.task, effect, now).await?;
+    }
+    if transition.visible {
+        version += 1;
+        let status = status_of(row, &transition.task, version, now);
+        ctx.outbox.append(tx, topics::STATUS, None, &status).await?;
+    }
+    save(tx, ctx, row.task_id, &transition.task, version).await?;
+    Ok(transition.task)
+}
+
+/// Stores the lifecycle; a due time wakes the dispatchers when the transaction commits.
+pub async fn save(
+    tx: &mut PgConnection,
+    ctx: Context<'_>,
+    task_id: TaskId,
+    task: &Task,
+    version: i64,
+) -> Result<(), sqlx::Error> {
+    // The deadline is a timer too: a waiting task comes due at its deadline at the latest.
+    let due = match (task.due_at, task.deadline) {
+        (Some(due), Some(deadline)) => Some(due.min(deadline)),
+        (due, _) => due,
+    };
+    sqlx::query(
+        "UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, updated_at = now() \
+         WHERE task_id = $1",
+    )
+    .bind(task_id.as_uuid())
+    .bind(sqlx::types::Json(task))
+    .bind(task.state.as_str())
+    .bind(due)
+    .bind(version)
+    .execute(&mut *tx)
+    .await?;
+    if due.is_some() {
+        sqlx::query("SELECT pg_notify($1, '')").bind(ctx.channel).execute(&mut *tx).await?;
+    }
+    Ok(())
+}
+
+async fn carry_out(
+    tx: &mut PgConnection,
+    ctx: Context<'_>,
+    row: &TaskRow,
+    task: &Task,
+    effect: &Effect,
+    now: Micros,
+) -> Result<(), fenceline_bus::Error> {
+    match effect {
+        Effect::Dispatch { grant_id, attempt, generation, resume_after_step } => {
+            let kind = ctx.catalog.kind(&row.kind);
+            let provider = kind.and_then(|k| k.slot_provider()).unwrap_or_default().to_owned();
+            let budget = kind.map_or(60_000, |k| k.attempt_budget_ms);
+            // A slot whose end is never heard expires after twice the attempt budget.
+            let expires = now + i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
+            sqlx::query(
+                "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            )
+            .bind(grant_id.as_uuid())
+            .bind(row.task_id.as_uuid())
+            .bind(&provider)
+            .bind(&row.tenant)
+            .bind(&row.kind)
+            .bind(expires)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "INSERT INTO tenant_turns (tenant, last_granted_at_us) VALUES ($1, $2) \
+                 ON CONFLICT (tenant) DO UPDATE SET last_granted_at_us = EXCLUDED.last_granted_at_us",
+            )
+            .bind(&row.tenant)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            let event = Event::AttemptGranted(AttemptGranted {
+                grant_id: *grant_id,
+                task_id: row.task_id,
+                tenant: row.tenant.clone(),
+                attempt: i32::try_from(*attempt).unwrap_or(i32::MAX),
+                generation: i32::try_from(*generation).unwrap_or(i32::MAX),
+                kind: row.kind.clone(),
+                input_json: row.input_json.clone(),
+                resume_after_step: resume_after_step.clone(),
+                provider: provider.clone(),
+                slot: format!("{provider}/{}", row.tenant),
+                lease_budget_ms: i64::try_from(budget).unwrap_or(i64::MAX),
+                deadline: task.deadline.map(Timestamp),
+                granted_at: Timestamp(now),
+            });
+            ctx.outbox.append(tx, topics::DISPATCH, None, &event).await?;
+        }
+        Effect::CancelAttempt { grant_id } => {
+            let event = Event::CancelAttempt(CancelAttempt {
+                task_id: row.task_id,
+                grant_id: *grant_id,
+                requested_at: Timestamp(now),
+            });
+            ctx.outbox.append(tx, topics::DISPATCH, None, &event).await?;
+        }
+        Effect::ReleaseSlot { grant_id } => release_slot(tx, ctx.channel, *grant_id).await?,
+    }
+    Ok(())
+}
+
+/// Gives a grant's slot back and wakes the dispatchers at commit.
+pub async fn release_slot(tx: &mut PgConnection, channel: &str, grant_id: GrantId) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM slots WHERE grant_id = $1").bind(grant_id.as_uuid()).execute(&mut *tx).await?;
+    sqlx::query("SELECT pg_notify($1, '')").bind(channel).execute(&mut *tx).await?;
+    Ok(())
+}
+
+/// The snapshot users see, as published on `fenceline.status`.
+pub fn status_of(row: &TaskRow, task: &Task, version: i64, now: Micros) -> Event {
+    Event::TaskStatus(TaskStatus {
+        task_id: row.task_id,
+        tenant: row.tenant.clone(),
+        kind: row.kind.clone(),
+        state: task.state,
+        reason: task.reason.clone(),
+        attempt: i32::try_from(task.attempt).unwrap_or(i32::MAX),
+        step: task.step.clone(),
+        phase: task.phase,
+        next_attempt_at: if task.state == TaskState::Waiting { task.due_at.map(Timestamp) } else { None },
+        result: task.result.as_ref().map(artifact_ref),
+        case_id: task.case_id.clone(),
+        updated_at: Timestamp(now),
+        version,
+    })
+}
+
+pub fn artifact_ref(a: &Artifact) -> ArtifactRef {
+    ArtifactRef { uri: a.uri.clone(), sha256: a.sha256.clone(), size_bytes: a.size_bytes }
+}
+
+pub fn artifact(a: &ArtifactRef) -> Artifact {
+    Artifact { uri: a.uri.clone(), sha256: a.sha256.clone(), size_bytes: a.size_bytes }
+}

@@ -64,8 +64,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     }
     let providers: HashMap<String, HttpProvider> =
         catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
-    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {})
-        .await?;
+    let mut app =
+        ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
     let wake = Arc::new(tokio::sync::Notify::new());
     app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder { wake: wake.clone() })?;
     let workers = worker::Workers {
@@ -75,11 +75,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         providers: Arc::new(providers),
         settings: settings.clone(),
         wake,
-        name: format!(
-            "{}:{}",
-            std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
-            std::process::id()
-        ),
+        name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
     };
     for index in 0..settings.workers {
         // Stopping claims at shutdown; an execution in flight finishes within the

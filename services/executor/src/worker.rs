@@ -160,7 +160,10 @@ impl Workers {
         let grant_id = GrantId::from_uuid(claim.grant_id);
         if claim.takeover && matches!(phase, Phase::CallIntent | Phase::ProviderAccepted) {
             // A call may have left: whoever decides next needs evidence, not a guess.
-            sqlx::query("UPDATE executions SET status = 'lost' WHERE grant_id = $1").bind(claim.grant_id).execute(&mut *tx).await?;
+            sqlx::query("UPDATE executions SET status = 'lost' WHERE grant_id = $1")
+                .bind(claim.grant_id)
+                .execute(&mut *tx)
+                .await?;
             let event = Event::AttemptLost(AttemptLost {
                 task_id,
                 attempt: claim.attempt,
@@ -247,7 +250,9 @@ impl Workers {
         fenced: &CancellationToken,
     ) -> Result<(), Stop> {
         let Some(kind) = self.catalog.kind(&claim.kind) else {
-            return self.fail(lease, ErrorClass::Rejected, &format!("no kind `{}` in the catalogue", claim.kind), None, false).await;
+            return self
+                .fail(lease, ErrorClass::Rejected, &format!("no kind `{}` in the catalogue", claim.kind), None, false)
+                .await;
         };
         if claim.cancel_requested {
             return self.release(lease, ReleaseReason::Cancelled).await;
@@ -279,7 +284,10 @@ impl Workers {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
                     match self.call_step(kind, step, lease, call_input, shutdown, deadline_us).await? {
                         Some(result) => {
-                            outputs.insert(step.name.clone(), serde_json::to_value(ProviderResultJson::from(&result)).unwrap_or_default());
+                            outputs.insert(
+                                step.name.clone(),
+                                serde_json::to_value(ProviderResultJson::from(&result)).unwrap_or_default(),
+                            );
                             last = Some(result);
                         }
                         None => return Ok(()),
@@ -401,7 +409,8 @@ impl Workers {
                 CallAnswer::Outcome(outcome) => {
                     let class = classify(&outcome, provider.overrides());
                     let Some(class) = class else {
-                        self.fail(lease, ErrorClass::Ambiguous, "a success without a readable answer", None, true).await?;
+                        self.fail(lease, ErrorClass::Ambiguous, "a success without a readable answer", None, true)
+                            .await?;
                         return Ok(None);
                     };
                     let message = describe(&outcome);
@@ -505,7 +514,9 @@ impl Workers {
             since: Timestamp::now(),
         });
         self.outbox.append(&mut tx, topics::ATTEMPTS, None, &waiting).await?;
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &self.released(lease, ReleaseReason::AwaitingSignal)).await?;
+        self.outbox
+            .append(&mut tx, topics::ATTEMPTS, None, &self.released(lease, ReleaseReason::AwaitingSignal))
+            .await?;
         tx.commit().await?;
         self.outbox.committed();
         Ok(())

@@ -149,7 +149,8 @@ impl Dispatcher {
         let Some(row) = tasks::lock_if_due(&mut tx, task_id, now).await? else {
             return Ok(Tried::Skipped);
         };
-        let ctx = Context { outbox: &self.outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel };
+        let ctx =
+            Context { outbox: &self.outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel };
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
             tasks::apply(&mut tx, ctx, &row, Input::DeadlinePassed, now).await.map_err(bus_error)?;
             tx.commit().await?;
@@ -177,14 +178,13 @@ impl Dispatcher {
             return Ok(Tried::ProviderFull);
         }
         if kind.tenant_concurrency > 0 {
-            let tenant_held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > $3",
-            )
-            .bind(&row.tenant)
-            .bind(&row.kind)
-            .bind(now)
-            .fetch_one(&mut *tx)
-            .await?;
+            let tenant_held: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > $3")
+                    .bind(&row.tenant)
+                    .bind(&row.kind)
+                    .bind(now)
+                    .fetch_one(&mut *tx)
+                    .await?;
             if tenant_held >= i64::from(kind.tenant_concurrency) {
                 return Ok(Tried::TenantFull);
             }
@@ -192,8 +192,9 @@ impl Dispatcher {
         if let Some(until) = take_token(&mut tx, provider_name, provider.rate_per_second, provider.burst, now).await? {
             return Ok(Tried::RateLimited(until));
         }
-        let lifecycle =
-            tasks::apply(&mut tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now).await.map_err(bus_error)?;
+        let lifecycle = tasks::apply(&mut tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
+            .await
+            .map_err(bus_error)?;
         tx.commit().await?;
         Ok(if lifecycle.live_grant.is_some() && lifecycle.live_grant != row.lifecycle.live_grant {
             Tried::Granted
@@ -211,12 +212,14 @@ async fn take_token(
     burst: f64,
     now: Micros,
 ) -> Result<Option<Micros>, sqlx::Error> {
-    sqlx::query("INSERT INTO rate_buckets (provider, tokens, refilled_at_us) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-        .bind(provider)
-        .bind(burst)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO rate_buckets (provider, tokens, refilled_at_us) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(provider)
+    .bind(burst)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
     let (tokens, refilled): (f64, i64) =
         sqlx::query_as("SELECT tokens, refilled_at_us FROM rate_buckets WHERE provider = $1 FOR UPDATE")
             .bind(provider)

@@ -129,9 +129,7 @@ impl Handler for LifecycleEvents {
                     .await?;
                 return Ok(());
             }
-            Event::AttemptSucceeded(e) => {
-                Input::Succeeded { grant_id: e.grant_id, result: tasks::artifact(&e.result) }
-            }
+            Event::AttemptSucceeded(e) => Input::Succeeded { grant_id: e.grant_id, result: tasks::artifact(&e.result) },
             Event::AttemptFailed(e) => Input::Failed {
                 grant_id: e.grant_id,
                 class: e.error_class,

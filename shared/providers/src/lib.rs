@@ -35,7 +35,10 @@ pub enum CallAnswer {
 /// What a look-up by operation key answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lookup {
-    Found { request_id: String, result: Option<ProviderResult> },
+    Found {
+        request_id: String,
+        result: Option<ProviderResult>,
+    },
     NeverReceived,
     /// The provider cannot look up (it did not declare it) or did not answer.
     NoAnswer(String),

@@ -1,0 +1,253 @@
+//! The reconciler's own loop: re-issues grants nobody claimed in time (same grant
+//! id, so the executor runs them once), and asks providers about open cases with
+//! backoff until the task's deadline: found, the result is verified and recovered;
+//! never received, a retry is safe; no answer in time, the outcome is unknown.
+//! Provider calls happen outside any transaction; each decision is one.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fenceline_bus::OutboxWriter;
+use fenceline_config::catalog::Catalog;
+use fenceline_domain::calls::{AfterLookup, Backoff, LookupAnswer, after_lookup};
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::RecoveryDecision;
+use fenceline_events::{ArtifactRef, AttemptGranted, Event, Evidence, Timestamp, topics};
+use fenceline_providers::{HttpProvider, Lookup};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::ReconcilerSettings;
+use crate::watches::{decide, evidence, recovery};
+
+/// Longest sleep between two looks at the watches.
+const LONGEST_SLEEP: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone)]
+pub struct Reconciler {
+    pub pool: PgPool,
+    pub outbox: OutboxWriter,
+    pub catalog: Arc<Catalog>,
+    pub providers: Arc<HashMap<String, HttpProvider>>,
+    pub settings: Arc<ReconcilerSettings>,
+    pub wake: Arc<Notify>,
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct AskRow {
+    case_id: uuid::Uuid,
+    task_id: uuid::Uuid,
+    attempt: i32,
+    kind: String,
+    step: Option<String>,
+    provider: Option<String>,
+    operation_key: Option<String>,
+    asked: i32,
+    ask_until_us: i64,
+    evidence: sqlx::types::Json<Vec<Evidence>>,
+}
+
+impl Reconciler {
+    pub async fn run(self, shutdown: CancellationToken) {
+        while !shutdown.is_cancelled() {
+            if let Err(e) = self.reissue_unclaimed().await {
+                warn!(error = %e, "re-issuing grants failed; trying again");
+            }
+            match self.ask_next().await {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "asking a provider failed; trying again"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(LONGEST_SLEEP.min(Duration::from_millis(self.settings.claim_timeout_ms))) => {}
+            }
+        }
+    }
+
+    /// Re-publishes grants not claimed within the claim timeout.
+    async fn reissue_unclaimed(&self) -> Result<(), fenceline_bus::Error> {
+        let now = Timestamp::now().0;
+        let mut tx = self.pool.begin().await?;
+        let due: Vec<(uuid::Uuid, sqlx::types::Json<AttemptGranted>, i32)> = sqlx::query_as(
+            "SELECT grant_id, granted, reissues FROM grants WHERE NOT claimed AND NOT ended AND claim_deadline_us < $1 \
+             ORDER BY claim_deadline_us LIMIT 100 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        if due.is_empty() {
+            return Ok(());
+        }
+        for (grant_id, granted, reissues) in &due {
+            let grant = granted.0.clone();
+            // Each re-issue waits longer, so a stopped executor fleet is not flooded.
+            let wait_ms = self.settings.claim_timeout_ms.saturating_mul(1 << (*reissues).clamp(0, 5));
+            sqlx::query("UPDATE grants SET reissues = reissues + 1, claim_deadline_us = $2 WHERE grant_id = $1")
+                .bind(grant_id)
+                .bind(now + i64::try_from(wait_ms).unwrap_or(i64::MAX / 4) * 1_000)
+                .execute(&mut *tx)
+                .await?;
+            let found = vec![evidence(
+                "reconciler",
+                format!(
+                    "grant {grant_id} was not claimed within {} ms; re-issued with the same grant id",
+                    self.settings.claim_timeout_ms
+                ),
+            )];
+            decide(
+                &mut tx,
+                &self.outbox,
+                recovery(grant.task_id, grant.attempt, RecoveryDecision::ReissueGrant, found),
+            )
+            .await?;
+            self.outbox.append(&mut tx, topics::DISPATCH, None, &Event::AttemptGranted(grant.clone())).await?;
+            warn!(task_id = %grant.task_id, %grant_id, reissues = reissues + 1, "grant not claimed in time: re-issued");
+        }
+        tx.commit().await?;
+        self.outbox.committed();
+        Ok(())
+    }
+
+    /// Asks about the next open case that is due. Returns whether there was one.
+    async fn ask_next(&self) -> Result<bool, fenceline_bus::Error> {
+        let now = Timestamp::now().0;
+        // Claim the case for a while (next_ask_at moves on), then ask without a transaction.
+        let case: Option<AskRow> = sqlx::query_as(
+            "UPDATE cases SET next_ask_at_us = $2 WHERE case_id = ( \
+                 SELECT case_id FROM cases WHERE state = 'asking' AND next_ask_at_us <= $1 \
+                 ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
+             RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, evidence",
+        )
+        .bind(now)
+        .bind(now + 30_000_000)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(case) = case else {
+            return Ok(false);
+        };
+        let provider = case.provider.as_deref().and_then(|p| self.providers.get(p));
+        let (answer, mut found) = match (provider, case.operation_key.as_deref()) {
+            (Some(provider), Some(key)) => {
+                let lookup = provider.lookup(key).await;
+                self.judge(provider, lookup).await
+            }
+            _ => (Judged::NoAnswer, evidence("reconciler", "no provider or operation key to ask with")),
+        };
+        found.observed_at = Timestamp::now();
+        let mut all = case.evidence.0.clone();
+        all.push(found);
+        let backoff = Backoff {
+            base: Duration::from_millis(self.settings.ask_base_ms),
+            cap: Duration::from_millis(self.settings.ask_cap_ms),
+        };
+        let until = Duration::from_micros(u64::try_from(case.ask_until_us - Timestamp::now().0).unwrap_or(0));
+        let domain_answer = match &answer {
+            Judged::Recovered(_) => LookupAnswer::Found { finished: true },
+            Judged::NotFinished => LookupAnswer::Found { finished: false },
+            Judged::NeverReceived => LookupAnswer::NeverReceived,
+            Judged::NoAnswer => LookupAnswer::NoAnswer,
+        };
+        let next = after_lookup(domain_answer, u32::try_from(case.asked).unwrap_or(0), until, &backoff, rand::random());
+        let task_id = TaskId::from_uuid(case.task_id);
+        let mut tx = self.pool.begin().await?;
+        let (decision, result, case_ref) = match (next, answer) {
+            (AfterLookup::Recover, Judged::Recovered(result)) => {
+                if self.is_last_call(&case.kind, case.step.as_deref()) {
+                    (Some(RecoveryDecision::Recovered), Some(result), None)
+                } else {
+                    all.push(evidence(
+                        "reconciler",
+                        "the provider has the step's result, but resuming a multi-step task from a recovered \
+                         step is not automated",
+                    ));
+                    (Some(RecoveryDecision::NeedsHuman), None, None)
+                }
+            }
+            (AfterLookup::RetrySafe, _) => (Some(RecoveryDecision::RetrySafe), None, None),
+            (AfterLookup::OutcomeUnknown, _) => {
+                all.push(evidence("reconciler", "no answer from the provider before the task's deadline"));
+                (Some(RecoveryDecision::OutcomeUnknown), None, Some(case.case_id.to_string()))
+            }
+            (AfterLookup::AskAgainIn(wait), _) => {
+                sqlx::query(
+                    "UPDATE cases SET asked = asked + 1, next_ask_at_us = $2, evidence = $3 WHERE case_id = $1",
+                )
+                .bind(case.case_id)
+                .bind(Timestamp::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX / 4))
+                .bind(sqlx::types::Json(&all))
+                .execute(&mut *tx)
+                .await?;
+                (None, None, None)
+            }
+            (AfterLookup::Recover, _) => (None, None, None),
+        };
+        if let Some(decision) = decision {
+            let updated = sqlx::query(
+                "UPDATE cases SET state = 'decided', decision = $2, evidence = $3, decided_at = now() \
+                 WHERE case_id = $1 AND state = 'asking'",
+            )
+            .bind(case.case_id)
+            .bind(decision.as_str())
+            .bind(sqlx::types::Json(&all))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if updated == 1 {
+                let decided = fenceline_events::RecoveryDecided {
+                    case_id: case_ref,
+                    result,
+                    ..recovery(task_id, case.attempt, decision, all)
+                };
+                decide(&mut tx, &self.outbox, decided).await?;
+                info!(%task_id, attempt = case.attempt, %decision, "case decided on the provider's evidence");
+            }
+        }
+        tx.commit().await?;
+        self.outbox.committed();
+        Ok(true)
+    }
+
+    fn is_last_call(&self, kind: &str, step: Option<&str>) -> bool {
+        let Some(kind) = self.catalog.kind(kind) else {
+            return true;
+        };
+        kind.steps.iter().rev().find(|s| s.call().is_some()).map(|s| s.name.as_str()) == step
+    }
+
+    async fn judge(&self, provider: &HttpProvider, lookup: Lookup) -> (Judged, Evidence) {
+        let source = format!("provider {}", provider.name);
+        match lookup {
+            Lookup::NeverReceived => {
+                (Judged::NeverReceived, evidence(&source, "look-up: never received this operation"))
+            }
+            Lookup::NoAnswer(why) => (Judged::NoAnswer, evidence(&source, format!("look-up: no answer ({why})"))),
+            Lookup::Found { request_id, result: None } => {
+                (Judged::NotFinished, evidence(&source, format!("look-up: received as {request_id}, not finished yet")))
+            }
+            Lookup::Found { request_id, result: Some(result) } => match provider.verify(&result).await {
+                Ok(()) => (
+                    Judged::Recovered(ArtifactRef {
+                        uri: result.uri,
+                        sha256: result.sha256,
+                        size_bytes: result.size_bytes,
+                    }),
+                    evidence(&source, format!("look-up: done as {request_id}; artifact checksum verified")),
+                ),
+                Err(e) => (Judged::NoAnswer, evidence(&source, format!("look-up: done as {request_id}, but {e}"))),
+            },
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Judged {
+    Recovered(ArtifactRef),
+    NotFinished,
+    NeverReceived,
+    NoAnswer,
+}

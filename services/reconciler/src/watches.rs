@@ -1,0 +1,288 @@
+//! The reconciler's consumer: keeps expectations from what it sees on the
+//! dispatch and attempts topics (a grant must be claimed in time; an attempt that
+//! ended without a clean result needs a decision) and opens a case for every
+//! attempt lost or ambiguous after its call intent.
+
+use std::sync::Arc;
+
+use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_config::catalog::Catalog;
+use fenceline_domain::calls::{AfterLoss, after_loss};
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
+use fenceline_events::{Event, Evidence, RecoveryDecided, Timestamp, topics};
+use sqlx::PgConnection;
+use tokio::sync::Notify;
+
+use crate::ReconcilerSettings;
+
+/// Records grants and calls; opens cases.
+#[derive(Debug, Clone)]
+pub struct Watches {
+    pub catalog: Arc<Catalog>,
+    pub settings: Arc<ReconcilerSettings>,
+    pub wake: Arc<Notify>,
+}
+
+/// What is known about an attempt's last call when it ended without a result.
+#[derive(Debug, Clone)]
+pub struct LostCall {
+    pub task_id: TaskId,
+    pub attempt: i32,
+    pub phase: Phase,
+    pub phase_at: i64,
+    pub step: Option<String>,
+    pub provider: Option<String>,
+    pub operation_key: Option<String>,
+    pub request_id: Option<String>,
+    pub what: String,
+}
+
+pub fn evidence(source: &str, finding: impl Into<String>) -> Evidence {
+    Evidence { source: source.to_owned(), observed_at: Timestamp::now(), finding: finding.into() }
+}
+
+/// A decision without a case or a result; callers add what they have.
+pub fn recovery(task_id: TaskId, attempt: i32, decision: RecoveryDecision, evidence: Vec<Evidence>) -> RecoveryDecided {
+    RecoveryDecided { task_id, attempt, decision, case_id: None, result: None, evidence, decided_at: Timestamp::now() }
+}
+
+/// Writes a decision on the recovery topic.
+pub async fn decide(
+    tx: &mut PgConnection,
+    outbox: &OutboxWriter,
+    decided: RecoveryDecided,
+) -> Result<(), fenceline_bus::Error> {
+    outbox.append(tx, topics::RECOVERY, None, &Event::RecoveryDecided(decided)).await?;
+    Ok(())
+}
+
+impl Watches {
+    async fn open_case(&self, tx: &mut PgConnection, outbox: &OutboxWriter, lost: LostCall) -> Result<(), HandleError> {
+        let grant: Option<(String, Option<i64>, String)> =
+            sqlx::query_as("SELECT kind, deadline_us, provider FROM grants WHERE task_id = $1 AND attempt = $2")
+                .bind(lost.task_id.as_uuid())
+                .bind(lost.attempt)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let (kind, deadline, slot_provider) = grant.unwrap_or_default();
+        let provider_name = lost.provider.clone().unwrap_or(slot_provider);
+        let caps = self.catalog.provider(&provider_name).map(|p| p.capabilities()).unwrap_or_default();
+        let case_id = uuid::Uuid::now_v7();
+        let now = Timestamp::now().0;
+        let ask_until = deadline.unwrap_or(now + i64::try_from(self.settings.ask_for_ms).unwrap_or(0) * 1_000);
+        let mut found = vec![
+            evidence("executor", lost.what.clone()),
+            evidence(
+                "executor",
+                format!(
+                    "last durable phase `{}` at {}{}",
+                    lost.phase,
+                    Timestamp(lost.phase_at).to_rfc3339(),
+                    lost.request_id.as_deref().map(|r| format!(", provider request id {r}")).unwrap_or_default()
+                ),
+            ),
+        ];
+        let decision = after_loss(lost.phase, lost.request_id.is_some(), caps);
+        let (state, decided) = match decision {
+            AfterLoss::RetrySafe | AfterLoss::FinishRecorded => {
+                found.push(evidence("reconciler", "no call had left; a retry spends nothing"));
+                ("decided", Some(RecoveryDecision::RetrySafe))
+            }
+            AfterLoss::RetrySameKey => {
+                found.push(evidence(
+                    "catalogue",
+                    format!(
+                        "provider `{provider_name}` deduplicates by operation key; the retry carries the same key {}",
+                        lost.operation_key.as_deref().unwrap_or("?")
+                    ),
+                ));
+                ("decided", Some(RecoveryDecision::RetrySafe))
+            }
+            AfterLoss::AskProvider => {
+                found.push(evidence(
+                    "catalogue",
+                    format!("provider `{provider_name}` answers look-ups by operation key"),
+                ));
+                ("asking", None)
+            }
+            AfterLoss::OutcomeUnknown => {
+                found.push(evidence(
+                    "catalogue",
+                    format!(
+                        "provider `{provider_name}` can neither deduplicate nor look up: whether it did the work \
+                         cannot be known; retrying as a new operation may be billed again"
+                    ),
+                ));
+                ("decided", Some(RecoveryDecision::OutcomeUnknown))
+            }
+        };
+        let inserted = sqlx::query(
+            "INSERT INTO cases (case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
+             last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
+                     CASE WHEN $11 = 'decided' THEN now() END) \
+             ON CONFLICT (task_id, attempt) DO NOTHING",
+        )
+        .bind(case_id)
+        .bind(lost.task_id.as_uuid())
+        .bind(lost.attempt)
+        .bind(&kind)
+        .bind(&lost.step)
+        .bind(&provider_name)
+        .bind(&lost.operation_key)
+        .bind(&lost.request_id)
+        .bind(lost.phase.as_str())
+        .bind(lost.phase_at)
+        .bind(state)
+        .bind(decided.map(|d| d.as_str()))
+        .bind(decided.is_none().then_some(now))
+        .bind(ask_until)
+        .bind(sqlx::types::Json(&found))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted == 0 {
+            return Ok(());
+        }
+        tracing::info!(task_id = %lost.task_id, attempt = lost.attempt, phase = %lost.phase, ?decision, "case opened");
+        if let Some(decision) = decided {
+            let case = (decision == RecoveryDecision::OutcomeUnknown).then(|| case_id.to_string());
+            let decided = RecoveryDecided { case_id: case, ..recovery(lost.task_id, lost.attempt, decision, found) };
+            decide(tx, outbox, decided).await?;
+        } else {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+}
+
+impl Handler for Watches {
+    async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        match &record.envelope.event {
+            Event::AttemptGranted(g) => {
+                let claim_by = Timestamp::now().0 + i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
+                let granted = serde_json::to_value(g).map_err(|e| HandleError::Poison(e.to_string()))?;
+                sqlx::query(
+                    "INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
+                     claim_deadline_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (grant_id) DO NOTHING",
+                )
+                .bind(g.grant_id.as_uuid())
+                .bind(g.task_id.as_uuid())
+                .bind(g.attempt)
+                .bind(&g.kind)
+                .bind(&g.provider)
+                .bind(g.deadline.map(|d| d.0))
+                .bind(granted)
+                .bind(claim_by)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Event::CancelAttempt(_) => {}
+            Event::AttemptClaimed(e) => {
+                sqlx::query("UPDATE grants SET claimed = true WHERE grant_id = $1")
+                    .bind(e.grant_id.as_uuid())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Event::CallIntentRecorded(e) => {
+                sqlx::query(
+                    "INSERT INTO calls (task_id, attempt, step, provider, operation_key, intent_at_us) \
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (task_id, attempt) DO UPDATE SET \
+                     step = EXCLUDED.step, provider = EXCLUDED.provider, operation_key = EXCLUDED.operation_key, \
+                     provider_request_id = NULL, intent_at_us = EXCLUDED.intent_at_us",
+                )
+                .bind(e.task_id.as_uuid())
+                .bind(e.attempt)
+                .bind(&e.step)
+                .bind(&e.provider)
+                .bind(&e.operation_key)
+                .bind(e.recorded_at.0)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Event::ProviderAccepted(e) => {
+                sqlx::query("UPDATE calls SET provider_request_id = $3 WHERE task_id = $1 AND attempt = $2")
+                    .bind(e.task_id.as_uuid())
+                    .bind(e.attempt)
+                    .bind(&e.provider_request_id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Event::StepCheckpointed(_) | Event::AwaitingSignal(_) => {}
+            Event::AttemptSucceeded(e) => self.ended(tx, e.grant_id).await?,
+            Event::AttemptReleased(e) => self.ended(tx, e.grant_id).await?,
+            Event::AttemptFailed(e) => {
+                self.ended(tx, e.grant_id).await?;
+                if e.error_class == ErrorClass::Ambiguous {
+                    let call = self.call_of(tx, e.task_id, e.attempt).await?;
+                    let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
+                        Phase::ProviderAccepted
+                    } else {
+                        Phase::CallIntent
+                    };
+                    let lost = LostCall {
+                        task_id: e.task_id,
+                        attempt: e.attempt,
+                        phase,
+                        phase_at: call.as_ref().map_or(e.failed_at.0, |c| c.4),
+                        step: call.as_ref().map(|c| c.0.clone()),
+                        provider: call.as_ref().map(|c| c.1.clone()),
+                        operation_key: call.as_ref().map(|c| c.2.clone()),
+                        request_id: call.as_ref().and_then(|c| c.3.clone()),
+                        what: format!("the call's outcome is ambiguous: {}", e.message),
+                    };
+                    self.open_case(tx, outbox, lost).await?;
+                }
+            }
+            Event::AttemptLost(e) => {
+                self.ended(tx, e.grant_id).await?;
+                let call = self.call_of(tx, e.task_id, e.attempt).await?;
+                let lost = LostCall {
+                    task_id: e.task_id,
+                    attempt: e.attempt,
+                    phase: e.last_phase,
+                    phase_at: e.last_phase_at.0,
+                    step: e.step.clone(),
+                    provider: call.as_ref().map(|c| c.1.clone()),
+                    operation_key: e.operation_key.clone(),
+                    request_id: e.provider_request_id.clone(),
+                    what: format!("the worker's lease expired; a new worker took over and found `{}`", e.last_phase),
+                };
+                self.open_case(tx, outbox, lost).await?;
+            }
+            other => {
+                return Err(HandleError::Poison(format!("the reconciler does not take {}", other.event_type())));
+            }
+        }
+        Ok(())
+    }
+}
+
+type CallRow = (String, String, String, Option<String>, i64);
+
+impl Watches {
+    async fn ended(&self, tx: &mut PgConnection, grant_id: fenceline_domain::ids::GrantId) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE grants SET ended = true WHERE grant_id = $1")
+            .bind(grant_id.as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn call_of(
+        &self,
+        tx: &mut PgConnection,
+        task_id: TaskId,
+        attempt: i32,
+    ) -> Result<Option<CallRow>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT step, provider, operation_key, provider_request_id, intent_at_us FROM calls \
+             WHERE task_id = $1 AND attempt = $2",
+        )
+        .bind(task_id.as_uuid())
+        .bind(attempt)
+        .fetch_optional(&mut *tx)
+        .await
+    }
+}

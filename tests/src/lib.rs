@@ -16,6 +16,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{Connection, PgConnection};
 
 pub mod process;
+pub mod system;
 
 /// Partitions of every test topic.
 pub const PARTITIONS: i32 = 3;

@@ -354,6 +354,7 @@ impl Workers {
             self.release(lease, reason).await?;
             return Ok(None);
         }
+        fault!("executor.before_call_intent");
         let key = operation_key(
             lease.task_id,
             &step.name,

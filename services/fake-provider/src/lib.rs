@@ -188,8 +188,12 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         })
     }
     .unwrap_or_default();
-    if let Some(ms) = rule.latency_ms {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+    // Scripted refusals come after the latency; accepted work is registered (and
+    // visible to look-ups) at once and answered after it, as a provider that is
+    // still rendering would.
+    let latency = rule.latency_ms.map(Duration::from_millis).unwrap_or_default();
+    if rule.status.is_some() {
+        tokio::time::sleep(latency).await;
     }
     if rule.exit {
         tracing::warn!("fake provider exits on a rule");
@@ -233,7 +237,8 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
             None => {
                 let request_id = format!("req-{}", uuid::Uuid::now_v7().simple());
                 let content = format!("{}:{}:{request_id}", start.operation, start.input).into_bytes();
-                let delay = if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
+                let delay =
+                    latency + if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
                 let op = Operation {
                     request_id: request_id.clone(),
                     content,
@@ -249,6 +254,9 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         }
     };
     let is_async = shared.lock().capabilities.async_results;
+    if !replayed {
+        tokio::time::sleep(latency).await;
+    }
     if rule.drop_after_accept {
         record("dropped", Some(op.request_id.clone()), !replayed);
         // The work is done and charged; the caller gets a reset, not an answer.

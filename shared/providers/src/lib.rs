@@ -96,14 +96,14 @@ impl HttpProvider {
     }
 
     /// Starts an operation. The operation key travels as `Idempotency-Key` when
-    /// the provider dedupes by it.
+    /// the provider dedupes or looks up by it (a look-up needs the key it was sent).
     pub async fn start(&self, operation: &str, input: serde_json::Value, operation_key: &str) -> CallAnswer {
         let this = self.clone();
         let key = operation_key.to_owned();
         let body = serde_json::json!({ "operation": operation, "input": input });
         blocking(move || {
             let mut request = this.agent.post(format!("{}/v1/operations", this.base_url));
-            if this.capabilities.idempotency_keys {
+            if this.capabilities.idempotency_keys || this.capabilities.lookup {
                 request = request.header("Idempotency-Key", key.as_str());
             }
             if let Some(auth) = &this.auth_header {

@@ -1,0 +1,313 @@
+//! The whole system as processes: fake providers, scheduler, executors and the
+//! reconciler, each a real process of `fenceline-host` (fault points compiled in)
+//! on a fresh database and fresh topics, so a test can kill any of them at a named
+//! point, restart it, and judge by the fake provider's call log.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::Priority;
+use fenceline_events::{Event, Headers, TaskAccepted, Timestamp, encode, topics};
+use serde_json::{Value, json};
+
+use crate::process::Proc;
+use crate::{brokers, fresh_database, fresh_topics_with};
+
+/// The topics the services exchange.
+pub const SYSTEM_TOPICS: &[&str] =
+    &[topics::TASKS, topics::DISPATCH, topics::ATTEMPTS, topics::RECOVERY, topics::STATUS, topics::DEADLETTER];
+
+/// The test binary that runs any service: beside the test executable's folder
+/// (`target/<profile>/fenceline-host`, tests run from `target/<profile>/deps`).
+pub fn host_binary() -> String {
+    let exe = std::env::current_exe().expect("current executable");
+    let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps");
+    let host = profile.join("fenceline-host");
+    assert!(host.exists(), "{} is missing: build the tests package's binaries", host.display());
+    host.display().to_string()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
+}
+
+/// One blocking HTTP exchange: (status, JSON body or Null).
+pub async fn http(method: &str, url: String, body: Option<Value>) -> Result<(u16, Value), String> {
+    let method = method.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(10)))
+            .build()
+            .new_agent();
+        let request = ureq::http::Request::builder().method(method.as_str()).uri(&url);
+        let response = match body {
+            Some(body) => agent.run(
+                request.header("Content-Type", "application/json").body(body.to_string()).map_err(|e| e.to_string())?,
+            ),
+            None => agent.run(request.body(()).map_err(|e| e.to_string())?),
+        };
+        let mut response = response.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string().unwrap_or_default();
+        Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// A fake provider process and its controls.
+#[derive(Debug)]
+pub struct FakeProvider {
+    pub base: String,
+    pub proc: Proc,
+}
+
+impl FakeProvider {
+    /// Every call it received, in order.
+    pub async fn calls(&self) -> Vec<Value> {
+        let (_, body) = http("GET", format!("{}/admin/calls", self.base), None).await.expect("calls");
+        body.as_array().cloned().unwrap_or_default()
+    }
+
+    /// The calls that did work (were charged).
+    pub async fn charges(&self) -> usize {
+        let (_, body) = http("GET", format!("{}/admin/ledger", self.base), None).await.expect("ledger");
+        body["charges"].as_array().map_or(0, Vec::len)
+    }
+
+    /// Scripts a misbehaviour.
+    pub async fn rule(&self, rule: Value) {
+        let (status, _) = http("POST", format!("{}/admin/rules", self.base), Some(rule)).await.expect("rule");
+        assert!((200..300).contains(&status), "rule refused: {status}");
+    }
+}
+
+/// What a test's providers can do.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Caps {
+    pub idempotency_keys: bool,
+    pub lookup: bool,
+    pub async_results: bool,
+}
+
+/// A running system under test.
+#[derive(Debug)]
+pub struct System {
+    pub url: String,
+    pub prefix: String,
+    pub dir: PathBuf,
+    pub catalog: PathBuf,
+    pub pool: sqlx::PgPool,
+    pub providers: HashMap<String, FakeProvider>,
+    pub services: HashMap<String, Proc>,
+    /// Settings every service process gets (short leases and timeouts for tests).
+    pub env: Vec<(&'static str, String)>,
+}
+
+impl System {
+    /// Fresh database and topics, one fake provider per entry, and a catalogue with
+    /// `image.generate` (one paid `render` step at the first provider) and
+    /// `ticket.triage` (classify, draft, approve, refund) over them. No Fenceline
+    /// service runs yet: call [`System::spawn`].
+    pub async fn new(providers: &[(&str, Caps)]) -> Self {
+        let url = fresh_database().await;
+        let prefix = fresh_topics_with(SYSTEM_TOPICS).await;
+        let scratch =
+            std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
+        let dir = PathBuf::from(scratch).join(format!("system-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("scratch folder");
+        let mut running = HashMap::new();
+        let mut catalog_providers = serde_json::Map::new();
+        for (name, caps) in providers {
+            let port = free_port();
+            let proc = Proc::spawn(
+                &host_binary(),
+                &["fake-provider"],
+                &[
+                    ("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")),
+                    ("FAKE_PROVIDER_IDEMPOTENCY_KEYS", caps.idempotency_keys.to_string()),
+                    ("FAKE_PROVIDER_LOOKUP", caps.lookup.to_string()),
+                    ("FAKE_PROVIDER_ASYNC_RESULTS", caps.async_results.to_string()),
+                    ("RUST_LOG", "warn".into()),
+                ],
+            );
+            let base = format!("http://127.0.0.1:{port}");
+            wait_ready(&format!("{base}/readyz"), &proc).await;
+            catalog_providers.insert(
+                (*name).to_owned(),
+                json!({
+                    "base_url": base,
+                    "capabilities": {"idempotency_keys": caps.idempotency_keys, "lookup": caps.lookup,
+                                     "async_results": caps.async_results},
+                    "call_timeout_ms": 10_000, "concurrency": 4, "rate_per_second": 50, "burst": 50
+                }),
+            );
+            running.insert((*name).to_owned(), FakeProvider { base, proc });
+        }
+        let first = providers.first().map(|(n, _)| *n).unwrap_or("provider");
+        let last = providers.last().map(|(n, _)| *n).unwrap_or(first);
+        let catalog = json!({
+            "providers": catalog_providers,
+            "kinds": {
+                "image.generate": {"steps": [{"name": "render", "provider": first}],
+                                   "max_attempts": 4, "attempt_budget_ms": 60_000},
+                "ticket.triage": {"steps": [
+                    {"name": "classify", "provider": first},
+                    {"name": "draft", "provider": first},
+                    {"name": "approve", "approval_signal": "refund_approved"},
+                    {"name": "refund", "provider": last}
+                ], "max_attempts": 4, "attempt_budget_ms": 60_000}
+            }
+        });
+        let catalog_path = dir.join("catalog.json");
+        std::fs::write(&catalog_path, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
+        let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.expect("connect");
+        let env = vec![
+            ("FENCELINE_DATABASE_URL", url.clone()),
+            ("FENCELINE_KAFKA_BROKERS", brokers()),
+            ("FENCELINE_TOPIC_PREFIX", prefix.clone()),
+            ("FENCELINE_CATALOG", catalog_path.display().to_string()),
+            ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
+            ("FENCELINE_SHUTDOWN_GRACE_MS", "3000".into()),
+            ("FENCELINE_OUTBOX_IDLE_POLL_MS", "100".into()),
+            ("FENCELINE_EXECUTOR_LEASE_MS", "2000".into()),
+            ("FENCELINE_EXECUTOR_IDLE_POLL_MS", "100".into()),
+            ("FENCELINE_SCHEDULER_BACKOFF_BASE_MS", "200".into()),
+            ("FENCELINE_SCHEDULER_BACKOFF_CAP_MS", "2000".into()),
+            ("FENCELINE_RECONCILER_CLAIM_TIMEOUT_MS", "4000".into()),
+            ("FENCELINE_RECONCILER_ASK_BASE_MS", "300".into()),
+            ("FENCELINE_RECONCILER_ASK_CAP_MS", "2000".into()),
+            ("FENCELINE_RECONCILER_ASK_FOR_MS", "20000".into()),
+            ("RUST_LOG", "info,sqlx=warn,rdkafka=warn".into()),
+        ];
+        System { url, prefix, dir, catalog: catalog_path, pool, providers: running, services: HashMap::new(), env }
+    }
+
+    pub fn provider(&self, name: &str) -> &FakeProvider {
+        self.providers.get(name).unwrap_or_else(|| panic!("no provider {name}"))
+    }
+
+    /// Starts (or restarts) the service process `id` running `service`, with the
+    /// system's settings and `extra` (for example `FAILPOINTS`), and waits until ready.
+    pub async fn spawn(&mut self, id: &str, service: &str, extra: &[(&'static str, String)]) {
+        if let Some(mut old) = self.services.remove(id) {
+            old.kill();
+        }
+        let port = free_port();
+        let mut env = self.env.clone();
+        env.push(("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")));
+        env.extend(extra.iter().cloned());
+        let proc = Proc::spawn(&host_binary(), &[service], &env);
+        wait_ready(&format!("http://127.0.0.1:{port}/readyz"), &proc).await;
+        self.services.insert(id.to_owned(), proc);
+    }
+
+    /// Starts one scheduler, one executor and the reconciler.
+    pub async fn spawn_all(&mut self, executor_faults: Option<&str>) {
+        self.spawn("scheduler", "scheduler", &[]).await;
+        self.spawn("reconciler", "reconciler", &[]).await;
+        let faults: Vec<(&'static str, String)> =
+            executor_faults.map(|f| vec![("FAILPOINTS", f.to_owned())]).unwrap_or_default();
+        self.spawn("executor", "executor", &faults).await;
+    }
+
+    pub fn service(&mut self, id: &str) -> &mut Proc {
+        self.services.get_mut(id).unwrap_or_else(|| panic!("no service {id}"))
+    }
+
+    /// Publishes a `TaskAccepted` as intake would, and returns its task id.
+    pub async fn submit(&self, tenant: &str, kind: &str, input: Value) -> TaskId {
+        let task_id = TaskId::new_v7();
+        let event = Event::TaskAccepted(TaskAccepted {
+            task_id,
+            tenant: tenant.to_owned(),
+            kind: kind.to_owned(),
+            input_json: input.to_string(),
+            priority: Priority::Normal,
+            deadline: None,
+            not_before: None,
+            labels: Default::default(),
+            source: "test".to_owned(),
+            accepted_at: Timestamp::now(),
+        });
+        self.publish(topics::TASKS, &event).await;
+        task_id
+    }
+
+    /// Publishes an event on a contract topic, keyed by its task, with the headers.
+    pub async fn publish(&self, topic: &str, event: &Event) {
+        let (payload, fingerprint) = encode(event).expect("encode");
+        let headers = Headers {
+            event_id: fenceline_domain::ids::EventId::new_v7(),
+            event_type: event.event_type().to_owned(),
+            schema_fingerprint: hex::encode(fingerprint),
+            producer: "test".to_owned(),
+            produced_at: Timestamp::now(),
+            traceparent: None,
+        };
+        let pairs = headers.to_pairs();
+        let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let key = event.task_id().map(|t| t.to_string()).unwrap_or_default();
+        crate::produce_raw(&brokers(), &format!("{}{topic}", self.prefix), key.as_bytes(), &payload, &borrowed).await;
+    }
+
+    /// The scheduler's state of a task and its reason.
+    pub async fn state(&self, task: TaskId) -> Option<(String, Option<String>)> {
+        sqlx::query_as("SELECT state, lifecycle->>'reason' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_optional(&self.pool)
+            .await
+            .unwrap_or(None)
+    }
+
+    /// Waits until the task is in one of `states`; panics with what it saw otherwise.
+    pub async fn wait_state(&self, task: TaskId, states: &[&str], timeout: Duration) -> String {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let seen = self.state(task).await;
+            if let Some((state, _)) = &seen
+                && states.contains(&state.as_str())
+            {
+                return state.clone();
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!("task {task} never reached {states:?}; last seen {seen:?}\n{}", self.logs());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Every service's log lines with a warning or an error, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for (id, proc) in &self.services {
+            for line in proc.all_lines().lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(40) {
+                out.push_str(&format!("[{id}] {line}\n"));
+            }
+        }
+        out
+    }
+}
+
+impl Drop for System {
+    fn drop(&mut self) {
+        for proc in self.services.values_mut() {
+            proc.kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn wait_ready(url: &str, proc: &Proc) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        if let Ok((200, _)) = http("GET", url.to_owned(), None).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    panic!("{url} did not become ready:\n{}", proc.all_lines());
+}

@@ -1,0 +1,161 @@
+//! The articles' failure windows, end to end on the real stack: scheduler,
+//! executor and reconciler as processes, killed at named points, with the fake
+//! provider's call log as the judge of what was charged. Every test asserts the
+//! number of calls, not only the final state: a system can call twice and still end
+//! in a state that looks right.
+
+use std::time::Duration;
+
+use fenceline_tests::system::{Caps, System};
+use serde_json::json;
+
+const LONG: Duration = Duration::from_secs(90);
+
+/// Charged calls at the provider, and all calls it received.
+async fn calls(system: &System, provider: &str) -> (usize, usize) {
+    let p = system.provider(provider);
+    (p.charges().await, p.calls().await.len())
+}
+
+/// Kills the executor at `point` on its first task, starts a clean one, and
+/// returns the task once the system has decided.
+async fn crash_executor_at(system: &mut System, point: &str) -> fenceline_domain::ids::TaskId {
+    system.spawn_all(Some(&format!("{point}=return(crash)"))).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a red shoe"})).await;
+    let exit = system.service("executor").wait_exit(LONG).await;
+    assert!(exit.is_some(), "the executor did not crash at {point}:\n{}", system.logs());
+    assert!(!system.service("executor").lines_with(point).is_empty(), "it crashed elsewhere");
+    system.spawn("executor", "executor", &[]).await;
+    task
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_then_killed_at_a_provider_that_can_neither_dedupe_nor_look_up_is_outcome_unknown() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
+
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
+    assert_eq!(calls(&system, "img").await, (1, 1), "the provider received and charged exactly one call");
+
+    // Several retry periods later (backoff base 200 ms, cap 2 s): still one call.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(calls(&system, "img").await, (1, 1), "no automatic retry after an unknown outcome");
+    let (state, _) = system.state(task).await.expect("task");
+    assert_eq!(state, "outcome_unknown");
+    let evidence: Vec<String> = sqlx::query_scalar(
+        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
+    )
+    .bind(task.as_uuid())
+    .fetch_all(&system.pool)
+    .await
+    .expect("case");
+    assert!(evidence.iter().any(|e| e.contains("call_intent")), "the case names the last phase: {evidence:?}");
+    assert!(evidence.iter().any(|e| e.contains("may be billed again")), "and what a retry would mean: {evidence:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_then_killed_at_a_provider_that_looks_up_is_recovered_without_a_second_call() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    assert_eq!(calls(&system, "img").await, (1, 1), "recovered by look-up: one call in all");
+    let sha: Option<String> =
+        sqlx::query_scalar("SELECT lifecycle->'result'->>'sha256' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("result");
+    assert_eq!(sha.map(|s| s.len()), Some(64), "the recovered result carries its checksum");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_then_killed_at_a_provider_that_dedupes_is_retried_with_the_same_key_and_charged_once() {
+    let mut system = System::new(&[("img", Caps { idempotency_keys: true, ..Caps::default() })]).await;
+    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let log = system.provider("img").calls().await;
+    assert_eq!(log.len(), 2, "the retry reached the provider: {log:?}");
+    assert_eq!(log[0]["operation_key"], log[1]["operation_key"], "with the same operation key");
+    assert_eq!(log[1]["outcome"], "replayed");
+    assert_eq!(system.provider("img").charges().await, 1, "and was charged once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_the_call_intent_is_retried_automatically_with_one_call_in_all() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let task = crash_executor_at(&mut system, "executor.before_call_intent").await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    assert_eq!(calls(&system, "img").await, (1, 1));
+    let token: i64 = sqlx::query_scalar("SELECT max(fencing_token) FROM executor.executions WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("execution");
+    assert!(token >= 2, "the new executor took the lease over with a larger token ({token})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_lost_between_scheduler_and_executor_is_reissued_and_runs_once() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn_all(Some("executor.drop_grant=1*return")).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a blue shoe"})).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    assert!(!system.service("executor").lines_with("fault point drops the grant").is_empty(), "the grant was dropped");
+    let reissues: i32 = sqlx::query_scalar("SELECT sum(reissues)::int FROM reconciler.grants WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("grants");
+    assert!(reissues >= 1, "the reconciler re-issued the grant");
+    let executions: i64 = sqlx::query_scalar("SELECT count(*) FROM executor.executions WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("executions");
+    assert_eq!(executions, 1, "one execution for the one grant");
+    assert_eq!(calls(&system, "img").await, (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_worker_returning_after_a_takeover_is_fenced_and_the_call_log_agrees() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor-a", "executor", &[]).await;
+    // The provider takes 4 s to answer: long enough to stop the caller mid-call.
+    system.provider("img").rule(json!({"latency_ms": 4000, "times": 1})).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a green shoe"})).await;
+
+    // Wait for the call to leave, then stop the worker's process as a long pause would.
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    system.service("executor-a").signal("STOP");
+    system.spawn("executor-b", "executor", &[]).await;
+
+    // B takes the expired lease over, finds `call_intent` and reports the attempt
+    // lost; the reconciler asks the provider and recovers the result.
+    system.wait_state(task, &["succeeded"], LONG).await;
+    system.service("executor-a").signal("CONT");
+    assert!(
+        system.service("executor-a").wait_for_line("write rejected: fenced", Duration::from_secs(30)).await,
+        "the stale worker's write must be rejected:\n{}",
+        system.service("executor-a").all_lines()
+    );
+    assert_eq!(calls(&system, "img").await, (1, 1), "one call: the stale worker's result was not a second one");
+    let (worker_token, status): (i64, String) =
+        sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("execution");
+    assert_eq!((worker_token, status.as_str()), (2, "lost"), "the taker-over's claim stands");
+    let (state, _) = system.state(task).await.expect("task");
+    assert_eq!(state, "succeeded", "the stale worker changed nothing");
+}

@@ -33,6 +33,10 @@ pub enum Stop {
     /// A conditional write matched no row: another worker holds the execution now.
     #[error("write rejected: fenced (another worker holds this execution)")]
     Fenced,
+    /// The lease may have expired (the process was paused, renewals failed): a
+    /// call must not leave on a lease someone else may hold.
+    #[error("the lease lapsed before the call left; not sending")]
+    LeaseLapsed,
     #[error(transparent)]
     Bus(#[from] fenceline_bus::Error),
 }
@@ -95,6 +99,14 @@ struct Lease {
     token: i64,
     /// The phase this worker last wrote (the expected phase of its next write).
     phase: Phase,
+    /// Until when the lease surely holds (micros), as of the last renewal.
+    valid_until: Arc<std::sync::atomic::AtomicI64>,
+}
+
+impl Lease {
+    fn holds(&self) -> bool {
+        Timestamp::now().0 < self.valid_until.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 impl Workers {
@@ -107,6 +119,7 @@ impl Workers {
                     if let Err(e) = self.execute(claim, &shutdown).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
+                            Stop::LeaseLapsed => warn!(%worker, "{e}"),
                             Stop::Bus(e) => warn!(%worker, error = %e, "execution interrupted; its lease will expire"),
                         }
                     }
@@ -206,6 +219,7 @@ impl Workers {
             generation: claim.generation,
             token: claim.fencing_token,
             phase: claim.phase.parse().unwrap_or(Phase::Claimed),
+            valid_until: Arc::new(std::sync::atomic::AtomicI64::new(claim.lease_expires_at_us)),
         };
         let fenced = CancellationToken::new();
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), fenced.clone()));
@@ -221,13 +235,14 @@ impl Workers {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         loop {
             tokio::time::sleep(every).await;
+            let now = Timestamp::now().0;
             let renewed = sqlx::query(
                 "UPDATE executions SET lease_expires_at_us = $3 + $4 \
                  WHERE grant_id = $1 AND fencing_token = $2 AND status = 'running'",
             )
             .bind(lease.grant_id.as_uuid())
             .bind(lease.token)
-            .bind(Timestamp::now().0)
+            .bind(now)
             .bind(lease_us)
             .execute(&self.pool)
             .await;
@@ -236,7 +251,7 @@ impl Workers {
                     fenced.cancel();
                     return;
                 }
-                Ok(_) => {}
+                Ok(_) => lease.valid_until.store(now + lease_us, std::sync::atomic::Ordering::Release),
                 Err(e) => warn!(error = %e, "renewing a lease failed; trying again"),
             }
         }
@@ -375,6 +390,9 @@ impl Workers {
         tx.commit().await?;
         self.outbox.committed();
         fault!("executor.after_call_intent");
+        if !lease.holds() {
+            return Err(Stop::LeaseLapsed);
+        }
 
         let mut answer = provider.start(operation, input, &key).await;
         fault!("executor.after_provider_answer");

@@ -254,11 +254,23 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         }
     };
     let is_async = shared.lock().capabilities.async_results;
+    // The call is in the log from the moment the work is registered: a caller
+    // that stops while the provider is still rendering has been received.
+    let answered_at_once = !is_async || shared.async_delay.is_zero();
+    let outcome = if rule.drop_after_accept {
+        "dropped"
+    } else if replayed {
+        "replayed"
+    } else if answered_at_once {
+        "succeeded"
+    } else {
+        "accepted"
+    };
+    record(outcome, Some(op.request_id.clone()), !replayed);
     if !replayed {
         tokio::time::sleep(latency).await;
     }
     if rule.drop_after_accept {
-        record("dropped", Some(op.request_id.clone()), !replayed);
         // The work is done and charged; the caller gets a reset, not an answer.
         let stream = futures_util::stream::once(async {
             Err::<web::Bytes, std::io::Error>(std::io::Error::other("connection dropped after accepting"))
@@ -266,17 +278,6 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         return HttpResponse::Ok().content_type("application/json").streaming(stream);
     }
     let done = tokio::time::Instant::now() >= op.ready_at;
-    record(
-        if replayed {
-            "replayed"
-        } else if done {
-            "succeeded"
-        } else {
-            "accepted"
-        },
-        Some(op.request_id.clone()),
-        !replayed,
-    );
     if is_async && !done {
         HttpResponse::Accepted().json(Answer { request_id: op.request_id.clone(), status: "accepted", result: None })
     } else {

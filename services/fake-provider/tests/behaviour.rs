@@ -209,6 +209,7 @@ async fn asynchronous_results_arrive_later_and_capabilities_switch_at_run_time()
 async fn an_exit_rule_ends_the_process_mid_call() {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fenceline-fake-provider"))
         .env("FENCELINE_HTTP_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "info")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");

@@ -220,8 +220,19 @@ impl System {
 
     /// Publishes a `TaskAccepted` as intake would, and returns its task id.
     pub async fn submit(&self, tenant: &str, kind: &str, input: Value) -> TaskId {
+        self.submit_with(tenant, kind, input, |_| {}).await
+    }
+
+    /// As [`System::submit`], with the event changed by `customise` first.
+    pub async fn submit_with(
+        &self,
+        tenant: &str,
+        kind: &str,
+        input: Value,
+        customise: impl FnOnce(&mut TaskAccepted),
+    ) -> TaskId {
         let task_id = TaskId::new_v7();
-        let event = Event::TaskAccepted(TaskAccepted {
+        let mut accepted = TaskAccepted {
             task_id,
             tenant: tenant.to_owned(),
             kind: kind.to_owned(),
@@ -232,8 +243,9 @@ impl System {
             labels: Default::default(),
             source: "test".to_owned(),
             accepted_at: Timestamp::now(),
-        });
-        self.publish(topics::TASKS, &event).await;
+        };
+        customise(&mut accepted);
+        self.publish(topics::TASKS, &Event::TaskAccepted(accepted)).await;
         task_id
     }
 

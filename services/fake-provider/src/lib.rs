@@ -60,6 +60,9 @@ pub struct Rule {
     pub drop_after_accept: bool,
     #[serde(default)]
     pub exit: bool,
+    /// Do the work, but serve an artifact whose bytes do not match its checksum.
+    #[serde(default)]
+    pub corrupt_artifact: bool,
     pub times: Option<u32>,
 }
 
@@ -99,6 +102,7 @@ pub struct Ledger {
 struct Operation {
     request_id: String,
     content: Vec<u8>,
+    corrupt: bool,
     ready_at: tokio::time::Instant,
 }
 
@@ -242,6 +246,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
                 let op = Operation {
                     request_id: request_id.clone(),
                     content,
+                    corrupt: rule.corrupt_artifact,
                     ready_at: tokio::time::Instant::now() + delay,
                 };
                 state.operations.insert(request_id.clone(), op.clone());
@@ -318,7 +323,13 @@ async fn lookup(req: HttpRequest, shared: web::Data<Shared>, query: web::Query<K
 
 async fn artifact(shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
     match shared.lock().operations.get(path.as_str()) {
-        Some(op) => HttpResponse::Ok().content_type("application/octet-stream").body(op.content.clone()),
+        Some(op) => {
+            let mut bytes = op.content.clone();
+            if op.corrupt {
+                bytes.extend_from_slice(b" (corrupted in storage)");
+            }
+            HttpResponse::Ok().content_type("application/octet-stream").body(bytes)
+        }
         None => problem(404, "no such artifact"),
     }
 }

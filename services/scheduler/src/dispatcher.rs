@@ -196,6 +196,8 @@ impl Dispatcher {
             .await
             .map_err(bus_error)?;
         tx.commit().await?;
+        // Decided and committed, not yet published: the relay must carry it on.
+        let _ = fenceline_bus::faults::drops("scheduler.after_grant_commit");
         Ok(if lifecycle.live_grant.is_some() && lifecycle.live_grant != row.lifecycle.live_grant {
             Tried::Granted
         } else {

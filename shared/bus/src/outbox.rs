@@ -193,7 +193,7 @@ impl Relay {
         self.stats.clone()
     }
 
-    /// Publishes until `shutdown`, then flushes what was handed to the producer.
+    /// Publishes until `shutdown`, then a last round, then flushes the producer.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut lock_conn: Option<PgConnection> = None;
         let mut backoff = Duration::from_millis(100);
@@ -244,6 +244,12 @@ impl Relay {
                     warn!(relay = %self.name, error = %e, "purging published outbox rows failed");
                 }
             }
+        }
+        // A last round for what was written while the service drained.
+        if let Some(conn) = lock_conn.as_mut()
+            && let Err(e) = self.round(conn, next_start).await
+        {
+            warn!(relay = %self.name, error = %e, "the last outbox round failed; unconfirmed rows are sent on restart");
         }
         let _ = self.producer.flush(Duration::from_secs(5));
         info!(relay = %self.name, "outbox relay stopped");

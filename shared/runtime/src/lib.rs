@@ -93,6 +93,9 @@ pub struct Base {
     pub readiness: Readiness,
     pub shutdown: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+    /// The relay stops last, so events written by work that drains at shutdown
+    /// are still published.
+    relay: (CancellationToken, JoinHandle<()>),
 }
 
 /// The shared settings of a service.
@@ -119,8 +122,18 @@ impl Base {
             &outbox,
         )?;
         let relay_stats = relay.stats();
-        let tasks = vec![tokio::spawn(relay.run(shutdown.child_token()))];
-        Ok(Self { name, database, outbox, relay_stats, readiness: Readiness::default(), shutdown, tasks })
+        let relay_shutdown = CancellationToken::new();
+        let relay = (relay_shutdown.clone(), tokio::spawn(relay.run(relay_shutdown)));
+        Ok(Self {
+            name,
+            database,
+            outbox,
+            relay_stats,
+            readiness: Readiness::default(),
+            shutdown,
+            tasks: Vec::new(),
+            relay,
+        })
     }
 
     /// Adds a task that ends when the shutdown token is cancelled.
@@ -129,15 +142,26 @@ impl Base {
     }
 
     /// Stops in order: not ready, stop the HTTP server, cancel the background work
-    /// and wait for it within `grace`, close the pool.
+    /// and wait for it within `grace`, then stop the relay after a last round (what
+    /// the draining work wrote is published), close the pool.
     pub async fn stop(self, http: ServerHandle, grace: std::time::Duration) {
         info!(service = self.name, "shutting down");
         self.readiness.set(false);
         http.stop(true).await;
         self.shutdown.cancel();
+        let started = tokio::time::Instant::now();
         let all = futures_join(self.tasks);
         if tokio::time::timeout(grace, all).await.is_err() {
             warn!(service = self.name, "background work did not stop within the grace period");
+        }
+        let (relay_shutdown, relay) = self.relay;
+        relay_shutdown.cancel();
+        let left = grace.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1));
+        if tokio::time::timeout(left, relay).await.is_err() {
+            warn!(
+                service = self.name,
+                "the outbox relay did not finish its last round; unconfirmed rows are sent on restart"
+            );
         }
         self.database.pool.close().await;
         info!(service = self.name, "stopped");

@@ -1,0 +1,194 @@
+//! Scheduler and executor together on the real stack: multi-step kinds with
+//! checkpoints and approvals, cancellation, verification of results, a pool of one
+//! connection, graceful shutdown, and a scheduler killed between deciding and
+//! publishing. The fake provider's call log is the judge.
+
+use std::time::Duration;
+
+use fenceline_domain::ids::TaskId;
+use fenceline_events::{CancelRequested, Event, SignalReceived, Timestamp, topics};
+use fenceline_tests::system::{Caps, System};
+use serde_json::json;
+
+const LONG: Duration = Duration::from_secs(90);
+
+async fn signal(system: &System, task: TaskId, name: &str, signal_id: &str) {
+    let event = Event::SignalReceived(SignalReceived {
+        task_id: task,
+        tenant: "acme".into(),
+        signal_name: name.into(),
+        signal_id: signal_id.into(),
+        payload_json: "{}".into(),
+        received_at: Timestamp::now(),
+    });
+    system.publish(topics::TASKS, &event).await;
+}
+
+async fn cancel(system: &System, task: TaskId) {
+    let event = Event::CancelRequested(CancelRequested {
+        task_id: task,
+        tenant: "acme".into(),
+        requested_by: "test".into(),
+        requested_at: Timestamp::now(),
+    });
+    system.publish(topics::TASKS, &event).await;
+}
+
+async fn scalar_i64(system: &System, sql: &str, task: TaskId) -> i64 {
+    sqlx::query_scalar(sql).bind(task.as_uuid()).fetch_one(&system.pool).await.expect(sql)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_step_task_waits_for_approval_holding_nothing_and_resumes_after_its_checkpoints() {
+    let dedupe = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = System::new(&[("llm", dedupe), ("pay", dedupe)]).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "ticket.triage", json!({"ticket": "refund please"})).await;
+
+    system.wait_state(task, &["awaiting_approval"], LONG).await;
+    assert_eq!(system.provider("llm").calls().await.len(), 2, "classify and draft ran once each");
+    let live = scalar_i64(&system, "SELECT count(*) FROM scheduler.slots WHERE task_id = $1", task).await;
+    let running =
+        scalar_i64(&system, "SELECT count(*) FROM executor.executions WHERE task_id = $1 AND status = 'running'", task)
+            .await;
+    assert_eq!((live, running), (0, 0), "waiting for a person holds no slot and no lease");
+
+    // The approval resumes the task on an executor that dies at the refund's call.
+    system.spawn("executor", "executor", &[("FAILPOINTS", "executor.before_call_intent=return(crash)".into())]).await;
+    signal(&system, task, "refund_approved", "approval-1").await;
+    assert!(system.service("executor").wait_exit(LONG).await.is_some(), "crashed in the refund step");
+    system.spawn("executor", "executor", &[]).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let llm = system.provider("llm").calls().await;
+    assert_eq!(llm.len(), 2, "steps 1 and 2 were not called again after the crash in step 4: {llm:?}");
+    assert_eq!(system.provider("pay").calls().await.len(), 1, "the refund was made once");
+
+    // A second, identical approval changes nothing.
+    let version = scalar_i64(&system, "SELECT version FROM scheduler.tasks WHERE task_id = $1", task).await;
+    signal(&system, task, "refund_approved", "approval-1").await;
+    signal(&system, task, "refund_approved", "approval-2").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(scalar_i64(&system, "SELECT version FROM scheduler.tasks WHERE task_id = $1", task).await, version);
+    assert_eq!(system.provider("pay").calls().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_is_immediate_for_a_waiting_task_and_cooperative_during_a_call() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn_all(None).await;
+
+    // Waiting (not before an hour from now): cancelled at once, nothing called.
+    let later = system
+        .submit_with("acme", "image.generate", json!({"p": 1}), |t| {
+            t.not_before = Some(Timestamp(Timestamp::now().0 + 3_600_000_000));
+        })
+        .await;
+    system.wait_state(later, &["waiting"], LONG).await;
+    cancel(&system, later).await;
+    system.wait_state(later, &["cancelled"], LONG).await;
+
+    // Running, mid-call: the call cannot be recalled, so its result is kept.
+    system.provider("img").rule(json!({"latency_ms": 3000, "times": 1})).await;
+    let running = system.submit("acme", "image.generate", json!({"p": 2})).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the call never left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel(&system, running).await;
+    system.wait_state(running, &["succeeded"], LONG).await;
+    let reason: Option<String> =
+        sqlx::query_scalar("SELECT lifecycle->>'reason' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(running.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("task");
+    assert_eq!(reason.as_deref(), Some("finished before the cancellation took effect"));
+    assert_eq!(system.provider("img").calls().await.len(), 1, "only the running task called the provider");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_whose_checksum_does_not_match_fails_with_its_own_class_and_is_not_retried() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn_all(None).await;
+    system.provider("img").rule(json!({"corrupt_artifact": true, "times": 1})).await;
+    let task = system.submit("acme", "image.generate", json!({"p": 1})).await;
+
+    system.wait_state(task, &["needs_human"], LONG).await;
+    let (_, reason) = system.state(task).await.expect("task");
+    assert!(reason.unwrap_or_default().contains("result_mismatch"), "the reason names the class");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(system.provider("img").calls().await.len(), 1, "a paid call with a bad result is not retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_pool_of_one_connection_a_hanging_call_does_not_stop_other_executions() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor", "executor", &[("FENCELINE_DATABASE_MAX_CONNECTIONS", "1".into())]).await;
+    system.provider("img").rule(json!({"hang": true, "times": 1})).await;
+    let stuck = system.submit("acme", "image.generate", json!({"p": "first"})).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the first call never left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let started = tokio::time::Instant::now();
+    let mut others = Vec::new();
+    for n in 0..3 {
+        others.push(system.submit("acme", "image.generate", json!({"p": n})).await);
+    }
+    for task in &others {
+        system.wait_state(*task, &["succeeded"], LONG).await;
+    }
+    let (stuck_state, _) = system.state(stuck).await.expect("task");
+    assert_eq!(stuck_state, "running", "the hanging call is still in flight");
+    assert!(started.elapsed() < Duration::from_secs(9), "the others finished while it hung ({:?})", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_killed_between_deciding_and_publishing_loses_no_grant_and_issues_no_second() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system
+        .spawn("scheduler", "scheduler", &[("FAILPOINTS", "scheduler.after_grant_commit=return(crash)".into())])
+        .await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let task = system.submit("acme", "image.generate", json!({"p": 1})).await;
+    assert!(system.service("scheduler").wait_exit(LONG).await.is_some(), "the scheduler crashed after its grant");
+    let granted = scalar_i64(&system, "SELECT count(*) FROM scheduler.slots WHERE task_id = $1", task).await;
+    assert_eq!(granted, 1, "the grant was committed before the crash");
+    system.spawn("scheduler", "scheduler", &[]).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let grants =
+        scalar_i64(&system, "SELECT count(DISTINCT grant_id) FROM executor.executions WHERE task_id = $1", task).await;
+    assert_eq!(grants, 1, "one grant, published by the restarted relay");
+    assert_eq!(system.provider("img").calls().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_executor_finishes_its_call_and_hands_unstarted_work_back() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn_all(None).await;
+    system.provider("img").rule(json!({"latency_ms": 2000, "times": 1})).await;
+    let first = system.submit("acme", "image.generate", json!({"p": 1})).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the call never left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    system.service("executor").signal("TERM");
+    let exit = system.service("executor").wait_exit(Duration::from_secs(20)).await;
+    assert!(exit.is_some_and(|s| s.success()), "a clean exit within the grace period");
+    system.wait_state(first, &["succeeded"], LONG).await;
+
+    let second = system.submit("acme", "image.generate", json!({"p": 2})).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(system.provider("img").calls().await.len(), 1, "no executor, no call");
+    system.spawn("executor", "executor", &[]).await;
+    system.wait_state(second, &["succeeded"], LONG).await;
+    assert_eq!(system.provider("img").calls().await.len(), 2);
+}

@@ -20,12 +20,19 @@ pub const SYSTEM_TOPICS: &[&str] =
     &[topics::TASKS, topics::DISPATCH, topics::ATTEMPTS, topics::RECOVERY, topics::STATUS, topics::DEADLETTER];
 
 /// The test binary that runs any service: beside the test executable's folder
-/// (`target/<profile>/fenceline-host`, tests run from `target/<profile>/deps`).
+/// (`target/<profile>/fenceline-host`).
 pub fn host_binary() -> String {
     let exe = std::env::current_exe().expect("current executable");
-    let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps");
-    let host = profile.join("fenceline-host");
-    assert!(host.exists(), "{} is missing: build the tests package's binaries", host.display());
+    // Test executables live in target/<profile>/deps, binaries in target/<profile>.
+    let host = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join("fenceline-host"))
+        .find(|candidate| candidate.exists())
+        .unwrap_or_else(|| {
+            panic!("fenceline-host is missing beside {}: build the tests package's binaries", exe.display())
+        });
     host.display().to_string()
 }
 
@@ -35,6 +42,20 @@ fn free_port() -> u16 {
 
 /// One blocking HTTP exchange: (status, JSON body or Null).
 pub async fn http(method: &str, url: String, body: Option<Value>) -> Result<(u16, Value), String> {
+    exchange(method, url, None, body).await
+}
+
+/// As [`http`], with a bearer token.
+pub async fn http_as(method: &str, url: String, token: &str, body: Option<Value>) -> Result<(u16, Value), String> {
+    exchange(method, url, Some(format!("Bearer {token}")), body).await
+}
+
+async fn exchange(
+    method: &str,
+    url: String,
+    auth: Option<String>,
+    body: Option<Value>,
+) -> Result<(u16, Value), String> {
     let method = method.to_owned();
     tokio::task::spawn_blocking(move || {
         let agent = ureq::Agent::config_builder()
@@ -42,7 +63,10 @@ pub async fn http(method: &str, url: String, body: Option<Value>) -> Result<(u16
             .timeout_global(Some(Duration::from_secs(10)))
             .build()
             .new_agent();
-        let request = ureq::http::Request::builder().method(method.as_str()).uri(&url);
+        let mut request = ureq::http::Request::builder().method(method.as_str()).uri(&url);
+        if let Some(auth) = auth {
+            request = request.header("Authorization", auth);
+        }
         let response = match body {
             Some(body) => agent.run(
                 request.header("Content-Type", "application/json").body(body.to_string()).map_err(|e| e.to_string())?,
@@ -103,6 +127,8 @@ pub struct System {
     pub pool: sqlx::PgPool,
     pub providers: HashMap<String, FakeProvider>,
     pub services: HashMap<String, Proc>,
+    /// Where each service process listens.
+    pub urls: HashMap<String, String>,
     /// Settings every service process gets (short leases and timeouts for tests).
     pub env: Vec<(&'static str, String)>,
 }
@@ -183,7 +209,28 @@ impl System {
             ("FENCELINE_RECONCILER_ASK_FOR_MS", "20000".into()),
             ("RUST_LOG", "info,sqlx=warn,rdkafka=warn".into()),
         ];
-        System { url, prefix, dir, catalog: catalog_path, pool, providers: running, services: HashMap::new(), env }
+        System {
+            url,
+            prefix,
+            dir,
+            catalog: catalog_path,
+            pool,
+            providers: running,
+            services: HashMap::new(),
+            urls: HashMap::new(),
+            env,
+        }
+    }
+
+    /// Changes a provider's limits in the catalogue (before the services start).
+    pub fn set_provider_limits(&self, name: &str, concurrency: u32, rate: f64, burst: f64) {
+        let mut catalog: Value =
+            serde_json::from_slice(&std::fs::read(&self.catalog).expect("catalogue")).expect("catalogue JSON");
+        let provider = &mut catalog["providers"][name];
+        provider["concurrency"] = json!(concurrency);
+        provider["rate_per_second"] = json!(rate);
+        provider["burst"] = json!(burst);
+        std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
     }
 
     pub fn provider(&self, name: &str) -> &FakeProvider {
@@ -203,6 +250,24 @@ impl System {
         let proc = Proc::spawn(&host_binary(), &[service], &env);
         wait_ready(&format!("http://127.0.0.1:{port}/readyz"), &proc).await;
         self.services.insert(id.to_owned(), proc);
+        self.urls.insert(id.to_owned(), format!("http://127.0.0.1:{port}"));
+    }
+
+    /// The base URL of a running service.
+    pub fn url_of(&self, id: &str) -> String {
+        self.urls.get(id).cloned().unwrap_or_else(|| panic!("no service {id}"))
+    }
+
+    /// An API token of `tenant` in a running intake's schema.
+    pub async fn token(&self, tenant: &str) -> String {
+        use std::str::FromStr as _;
+        let options = sqlx::postgres::PgConnectOptions::from_str(&self.url)
+            .expect("database URL")
+            .options([("search_path", "intake")]);
+        let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.expect("intake");
+        let tenant = fenceline_intake::auth::Tenant::parse(tenant).expect("tenant");
+        let (_, token) = fenceline_intake::auth::create_token(&pool, &tenant, "test").await.expect("token");
+        token
     }
 
     /// Starts one scheduler, one executor and the reconciler.
@@ -247,6 +312,70 @@ impl System {
         customise(&mut accepted);
         self.publish(topics::TASKS, &Event::TaskAccepted(accepted)).await;
         task_id
+    }
+
+    /// Publishes `count` tasks of one tenant at once through one producer.
+    pub async fn submit_many(&self, tenant: &str, kind: &str, count: usize) -> Vec<TaskId> {
+        self.submit_many_with(tenant, kind, count, |_, _| {}).await
+    }
+
+    /// As [`System::submit_many`], with task `n` changed by `customise` first.
+    pub async fn submit_many_with(
+        &self,
+        tenant: &str,
+        kind: &str,
+        count: usize,
+        customise: impl Fn(usize, &mut TaskAccepted),
+    ) -> Vec<TaskId> {
+        use rdkafka::message::{Header, OwnedHeaders};
+        use rdkafka::producer::{FutureProducer, FutureRecord};
+        let producer: FutureProducer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("broker.address.family", "v4")
+            .set("linger.ms", "20")
+            .create()
+            .expect("producer");
+        let topic = format!("{}{}", self.prefix, topics::TASKS);
+        let mut ids = Vec::with_capacity(count);
+        let mut pending = Vec::with_capacity(count);
+        for n in 0..count {
+            let task_id = TaskId::new_v7();
+            let mut accepted = TaskAccepted {
+                task_id,
+                tenant: tenant.to_owned(),
+                kind: kind.to_owned(),
+                input_json: json!({ "n": n }).to_string(),
+                priority: Priority::Normal,
+                deadline: None,
+                not_before: None,
+                labels: Default::default(),
+                source: "test".to_owned(),
+                accepted_at: Timestamp::now(),
+            };
+            customise(n, &mut accepted);
+            let event = Event::TaskAccepted(accepted);
+            let (payload, fingerprint) = encode(&event).expect("encode");
+            let headers = Headers {
+                event_id: fenceline_domain::ids::EventId::new_v7(),
+                event_type: event.event_type().to_owned(),
+                schema_fingerprint: hex::encode(fingerprint),
+                producer: "test".to_owned(),
+                produced_at: Timestamp::now(),
+                traceparent: None,
+            };
+            let pairs = headers.to_pairs();
+            let kafka_headers = pairs
+                .iter()
+                .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(v.as_bytes()) }));
+            let key = task_id.to_string();
+            let record = FutureRecord::to(&topic).key(&key).payload(&payload).headers(kafka_headers);
+            pending.push(producer.send_result(record).map_err(|(e, _)| e).expect("queued"));
+            ids.push(task_id);
+        }
+        for delivery in pending {
+            delivery.await.expect("not cancelled").map_err(|(e, _)| e).expect("delivered");
+        }
+        ids
     }
 
     /// Publishes an event on a contract topic, keyed by its task, with the headers.

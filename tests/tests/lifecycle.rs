@@ -192,3 +192,48 @@ async fn a_stopping_executor_finishes_its_call_and_hands_unstarted_work_back() {
     system.wait_state(second, &["succeeded"], LONG).await;
     assert_eq!(system.provider("img").calls().await.len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_schedulers_and_two_executors_with_a_kill_in_the_middle_keep_every_invariant() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.provider("img").rule(json!({"latency_ms": 100})).await;
+    system.spawn("scheduler-a", "scheduler", &[]).await;
+    system.spawn("scheduler-b", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor-a", "executor", &[]).await;
+    system.spawn("executor-b", "executor", &[]).await;
+    let mut tasks = system.submit_many("acme", "image.generate", 100).await;
+    tasks.extend(system.submit_many("globex", "image.generate", 100).await);
+
+    let count_done = || async {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM scheduler.tasks WHERE state = 'succeeded'")
+            .fetch_one(&system.pool)
+            .await
+            .expect("count");
+        done
+    };
+    let deadline = tokio::time::Instant::now() + LONG;
+    while count_done().await < 60 {
+        assert!(tokio::time::Instant::now() < deadline, "progress stalled:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A scheduler dies mid-stream (its partitions move to the other), then comes back.
+    system.service("scheduler-a").kill();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    system.spawn("scheduler-a", "scheduler", &[]).await;
+
+    for task in &tasks {
+        system.wait_state(*task, &["succeeded"], Duration::from_secs(180)).await;
+    }
+    let calls = system.provider("img").calls().await;
+    assert_eq!(calls.len(), tasks.len(), "one call per task");
+    let per_task: Vec<i64> =
+        sqlx::query_scalar("SELECT count(*) FROM executor.executions GROUP BY task_id HAVING count(*) <> 1")
+            .fetch_all(&system.pool)
+            .await
+            .expect("executions");
+    assert!(per_task.is_empty(), "some task was granted twice: {per_task:?}");
+    let leftover: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM scheduler.slots").fetch_one(&system.pool).await.expect("slots");
+    assert_eq!(leftover, 0, "every slot was given back");
+}

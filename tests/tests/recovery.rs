@@ -159,3 +159,42 @@ async fn a_stale_worker_returning_after_a_takeover_is_fenced_and_the_call_log_ag
     let (state, _) = system.state(task).await.expect("task");
     assert_eq!(state, "succeeded", "the stale worker changed nothing");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate,ticket.triage".into())]).await;
+    let token = system.token("acme").await;
+    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
+    let intake = system.url_of("intake");
+    let resolve = |body: serde_json::Value| {
+        let url = format!("{intake}/v1/tasks/{task}/resolution");
+        let token = token.clone();
+        async move { fenceline_tests::system::http_as("POST", url, &token, Some(body)).await.expect("answer") }
+    };
+
+    // Retrying as new needs the acknowledgement that it may be billed again.
+    let (status, body) = resolve(json!({"action": "retry_as_new"})).await;
+    assert!(status == 422 && body.to_string().contains("acknowledge_possible_charge"), "{status} {body}");
+    // Intake offers the resolution once the status (with its case) is projected.
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let (status, body) = resolve(json!({"action": "retry_as_new", "acknowledge_possible_charge": true})).await;
+        if status == 202 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "intake never took the resolution: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let log = system.provider("img").calls().await;
+    assert_eq!(log.len(), 2, "one call per generation: {log:?}");
+    assert_ne!(log[0]["operation_key"], log[1]["operation_key"], "the new generation is a new operation");
+
+    // The same decision again changes nothing.
+    let (again, _) = resolve(json!({"action": "retry_as_new", "acknowledge_possible_charge": true})).await;
+    assert!((400..500).contains(&again), "a settled task takes no second resolution ({again})");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(system.provider("img").calls().await.len(), 2);
+}

@@ -1,0 +1,70 @@
+//! Fairness on the real stack: with 5,000 queued tasks of tenant A and a provider
+
+//! limited to 4 concurrent calls, a task of tenant B is dispatched within the time
+//! of a few attempts, while a task A submits at the same moment waits behind A's
+//! own backlog. The measured waits are printed.
+
+#![allow(clippy::print_stdout)] // the measured waits are the point of this test
+
+use std::time::{Duration, Instant};
+
+use fenceline_domain::ids::TaskId;
+use fenceline_tests::system::{Caps, System};
+use serde_json::json;
+
+async fn granted(system: &System, task: TaskId) -> bool {
+    let attempt: Option<i64> =
+        sqlx::query_scalar("SELECT (lifecycle->>'attempt')::bigint FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_optional(&system.pool)
+            .await
+            .expect("task");
+    attempt.unwrap_or(0) >= 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_backlog_does_not_block_another_tenant() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    // Every call takes 300 ms: four slots finish about 13 attempts a second.
+    system.provider("img").rule(json!({"latency_ms": 300})).await;
+    system.spawn_all(None).await;
+
+    let backlog = 5_000;
+    let started = Instant::now();
+    system.submit_many("tenant-a", "image.generate", backlog).await;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM scheduler.tasks WHERE tenant = 'tenant-a'")
+            .fetch_one(&system.pool)
+            .await
+            .expect("count");
+        if seen == backlog as i64 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the scheduler took in {seen} of {backlog} tasks");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    println!("the scheduler took in {backlog} tasks of tenant A in {:?}", started.elapsed());
+
+    let submitted = Instant::now();
+    let b = system.submit("tenant-b", "image.generate", json!({"who": "b"})).await;
+    let late_a = system.submit("tenant-a", "image.generate", json!({"who": "late a"})).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !granted(&system, b).await {
+        assert!(Instant::now() < deadline, "tenant B's task was not dispatched within 60 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b_wait = submitted.elapsed();
+    let done: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM scheduler.tasks WHERE tenant = 'tenant-a' AND state = 'succeeded'")
+            .fetch_one(&system.pool)
+            .await
+            .expect("count");
+    println!(
+        "tenant B's task was dispatched {b_wait:?} after submission, with {} of tenant A's tasks still queued",
+        backlog as i64 - done
+    );
+    assert!(b_wait < Duration::from_secs(5), "B waited {b_wait:?}: longer than a few 300 ms attempts");
+    assert!(!granted(&system, late_a).await, "A's own new task waits behind A's backlog");
+    system.wait_state(b, &["succeeded"], Duration::from_secs(30)).await;
+}

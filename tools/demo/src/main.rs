@@ -1,0 +1,392 @@
+//! The Monday-morning demo against a running local stack: a weekend's backlog of
+//! support tickets arrives through the upstream topic and signed webhooks (some
+//! delivered twice), image jobs through the API with idempotency keys (some
+//! submitted twice), the image provider throttles for a while and drops one answer
+//! after doing the work, the executor is killed in the middle, and two refunds wait
+//! for an approval the demo then gives. It prints progress, then a table of what
+//! happened and what each provider charged, judged by the providers' own ledgers.
+
+#![allow(clippy::print_stdout)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use fenceline_domain::vocabulary::Priority;
+use fenceline_events::{Event, Headers, TaskRequest, Timestamp, encode};
+use hmac::{Hmac, Mac};
+use rdkafka::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Value, json};
+use sha2::Sha256;
+
+#[derive(Debug, Parser)]
+#[command(name = "fenceline-demo", about = "Plays the Monday-morning scenario against the local stack")]
+struct Config {
+    #[arg(long, env = "DEMO_INTAKE_URL", default_value = "http://127.0.0.1:58080")]
+    intake: String,
+    /// The demo tenant's API token.
+    #[arg(long, env = "DEMO_TOKEN")]
+    token: String,
+    #[arg(long, env = "DEMO_KAFKA_BROKERS", default_value = "127.0.0.1:59092")]
+    brokers: String,
+    /// The signing secret of the `helpdesk` webhook source.
+    #[arg(long, env = "DEMO_WEBHOOK_SECRET")]
+    webhook_secret: String,
+    /// Fake providers as name=url, comma separated.
+    #[arg(long, env = "DEMO_PROVIDERS", value_delimiter = ',')]
+    providers: Vec<String>,
+    /// File holding the executor's process id (the demo kills it in the middle).
+    #[arg(long, env = "DEMO_EXECUTOR_PIDFILE")]
+    executor_pidfile: std::path::PathBuf,
+    /// Command that starts whatever of the stack is not running.
+    #[arg(long, env = "DEMO_RESTART", default_value = "deploy/local/stack up")]
+    restart: String,
+    /// Tickets over the weekend, half through the topic, half through webhooks.
+    #[arg(long, env = "DEMO_TICKETS", default_value_t = 300)]
+    tickets: usize,
+    #[arg(long, env = "DEMO_IMAGES", default_value_t = 40)]
+    images: usize,
+    #[arg(long, env = "DEMO_TIMEOUT_S", default_value_t = 600)]
+    timeout_s: u64,
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(15)))
+        .build()
+        .new_agent()
+}
+
+fn json_of(mut response: ureq::http::Response<ureq::Body>) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let body = response.body_mut().read_to_string().unwrap_or_default();
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+struct Demo {
+    config: Config,
+    agent: ureq::Agent,
+    run: String,
+    started: time::OffsetDateTime,
+}
+
+impl Demo {
+    fn api(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> anyhow::Result<(u16, Value)> {
+        let url = format!("{}{path}", self.config.intake);
+        let mut request = ureq::http::Request::builder()
+            .method(method)
+            .uri(&url)
+            .header("Authorization", format!("Bearer {}", self.config.token));
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        let response = match body {
+            Some(body) => self.agent.run(request.header("Content-Type", "application/json").body(body.to_string())?),
+            None => self.agent.run(request.body(())?),
+        }
+        .with_context(|| format!("{method} {url}"))?;
+        Ok(json_of(response))
+    }
+
+    fn provider(&self, name: &str) -> anyhow::Result<String> {
+        self.config
+            .providers
+            .iter()
+            .find_map(|p| p.strip_prefix(&format!("{name}=")).map(str::to_owned))
+            .with_context(|| format!("no provider {name} in DEMO_PROVIDERS"))
+    }
+
+    fn provider_call(&self, name: &str, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+        let url = format!("{}{path}", self.provider(name)?);
+        let request = ureq::http::Request::builder().method(method).uri(&url);
+        let response = match body {
+            Some(body) => self.agent.run(request.header("Content-Type", "application/json").body(body.to_string())?),
+            None => self.agent.run(request.body(())?),
+        }?;
+        Ok(json_of(response).1)
+    }
+
+    fn webhook(&self, event_id: &str, body: &Value) -> anyhow::Result<u16> {
+        let body = body.to_string();
+        let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
+        let mut mac = Hmac::<Sha256>::new_from_slice(self.config.webhook_secret.as_bytes())?;
+        mac.update(format!("{timestamp}.{body}").as_bytes());
+        let signature = format!("v1={}", hex::encode(mac.finalize().into_bytes()));
+        let request = ureq::http::Request::builder()
+            .method("POST")
+            .uri(format!("{}/v1/webhooks/helpdesk", self.config.intake))
+            .header("Content-Type", "application/json")
+            .header("Fenceline-Timestamp", timestamp)
+            .header("Fenceline-Signature", signature)
+            .header("Fenceline-Event-Id", event_id)
+            .body(body)?;
+        Ok(self.agent.run(request)?.status().as_u16())
+    }
+
+    /// Every task of the demo tenant accepted since the demo started.
+    fn tasks(&self) -> anyhow::Result<Vec<Value>> {
+        let since = self.started.format(&time::format_description::well_known::Rfc3339)?;
+        let mut all = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut path = format!("/v1/tasks?limit=200&since={since}");
+            if let Some(c) = &cursor {
+                path.push_str(&format!("&cursor={c}"));
+            }
+            let (status, page) = self.api("GET", &path, None, None)?;
+            if status != 200 {
+                bail!("listing tasks answered {status}: {page}");
+            }
+            all.extend(page["tasks"].as_array().cloned().unwrap_or_default());
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(all),
+            }
+        }
+    }
+}
+
+fn tally(tasks: &[Value]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for task in tasks {
+        *counts.entry(task["state"].as_str().unwrap_or("?").to_owned()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn line(counts: &BTreeMap<String, usize>) -> String {
+    counts.iter().map(|(state, n)| format!("{state} {n}")).collect::<Vec<_>>().join(" · ")
+}
+
+const SETTLED: &[&str] = &["succeeded", "failed", "cancelled", "outcome_unknown", "needs_human"];
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let config = Config::parse();
+    let demo = Demo {
+        run: uuid::Uuid::now_v7().simple().to_string()[20..].to_owned(),
+        agent: agent(),
+        started: time::OffsetDateTime::now_utc() - Duration::from_secs(1),
+        config,
+    };
+    let clock = Instant::now();
+    println!("Monday morning (run {}): the weekend's backlog arrives.\n", demo.run);
+
+    for name in ["imagegen", "llm", "payments"] {
+        demo.provider_call(name, "DELETE", "/admin/rules", None)?;
+    }
+    // (calls, charges) each provider had before this run: the table shows this run's.
+    let before: BTreeMap<&str, (usize, usize)> = ["imagegen", "llm", "payments"]
+        .iter()
+        .map(|name| {
+            let calls = demo.provider_call(name, "GET", "/admin/calls", None).unwrap_or(Value::Null);
+            let ledger = demo.provider_call(name, "GET", "/admin/ledger", None).unwrap_or(Value::Null);
+            (*name, (calls.as_array().map_or(0, Vec::len), ledger["charges"].as_array().map_or(0, Vec::len)))
+        })
+        .collect();
+    // The image provider throttles for a while, and once does the work and drops the answer.
+    demo.provider_call(
+        "imagegen",
+        "POST",
+        "/admin/rules",
+        Some(json!({"status": 429, "retry_after_s": 2, "times": 12})),
+    )?;
+    demo.provider_call("imagegen", "POST", "/admin/rules", Some(json!({"drop_after_accept": true, "times": 1})))?;
+
+    // Tickets through the upstream topic, 1 in 8 delivered twice.
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &demo.config.brokers)
+        .set("enable.idempotence", "true")
+        .set("broker.address.family", "v4")
+        .create()?;
+    let topic_tickets = demo.config.tickets / 2;
+    let mut sent = 0;
+    for n in 0..topic_tickets {
+        let request = Event::TaskRequest(TaskRequest {
+            source: "crm".into(),
+            source_event_id: format!("crm-{}-{n}", demo.run),
+            tenant: "demo".into(),
+            kind: "ticket.reply".into(),
+            input_json: json!({"ticket": format!("CRM-{n}"), "text": "my order has not arrived"}).to_string(),
+            priority: Priority::Normal,
+            deadline: None,
+            not_before: None,
+            labels: BTreeMap::from([("demo".into(), demo.run.clone())]),
+        });
+        let copies = if n % 8 == 0 { 2 } else { 1 };
+        for _ in 0..copies {
+            let (payload, fingerprint) = encode(&request)?;
+            let headers = Headers {
+                event_id: fenceline_domain::ids::EventId::new_v7(),
+                event_type: request.event_type().to_owned(),
+                schema_fingerprint: hex::encode(fingerprint),
+                producer: "crm".into(),
+                produced_at: Timestamp::now(),
+                traceparent: None,
+            };
+            let pairs = headers.to_pairs();
+            let kafka_headers = pairs
+                .iter()
+                .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(v.as_bytes()) }));
+            let key = format!("crm-{}-{n}", demo.run);
+            producer
+                .send(
+                    FutureRecord::to("fenceline.intake.requests").key(&key).payload(&payload).headers(kafka_headers),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|(e, _)| e)?;
+            sent += 1;
+        }
+    }
+    println!("  {topic_tickets} tickets on fenceline.intake.requests ({sent} records: some redelivered)");
+
+    // Tickets through signed webhooks, 1 in 8 re-sent.
+    let mut deliveries = 0;
+    for n in 0..(demo.config.tickets - topic_tickets) {
+        let body = json!({"ticket": format!("HD-{n}"), "text": "please help", "run": demo.run});
+        let event_id = format!("hd-{}-{n}", demo.run);
+        for _ in 0..(if n % 8 == 0 { 2 } else { 1 }) {
+            let status = demo.webhook(&event_id, &body)?;
+            if status != 202 {
+                bail!("webhook answered {status}");
+            }
+            deliveries += 1;
+        }
+    }
+    println!("  {} tickets through signed webhooks ({deliveries} deliveries)", demo.config.tickets - topic_tickets);
+
+    // Image jobs through the API with idempotency keys, 1 in 4 submitted twice.
+    let mut image_ids = HashSet::new();
+    let mut replays = 0;
+    for n in 0..demo.config.images {
+        let key = format!("img-{}-{n}", demo.run);
+        let body = json!({"kind": "image.generate", "input": {"prompt": format!("product shot {n}")},
+                          "labels": {"demo": demo.run}});
+        for _ in 0..(if n % 4 == 0 { 2 } else { 1 }) {
+            let (status, answer) = demo.api("POST", "/v1/tasks", Some(&key), Some(body.clone()))?;
+            if status != 202 {
+                bail!("submitting an image answered {status}: {answer}");
+            }
+            if !image_ids.insert(answer["task_id"].as_str().unwrap_or_default().to_owned()) {
+                replays += 1;
+            }
+        }
+    }
+    println!(
+        "  {} image jobs through the API ({replays} submitted twice, answered with the same task)",
+        image_ids.len()
+    );
+
+    // Two refunds that need a person's approval.
+    let mut refunds = Vec::new();
+    for n in 0..2 {
+        let body = json!({"kind": "ticket.triage", "input": {"ticket": format!("REFUND-{n}"), "amount_cents": 2_500},
+                          "labels": {"demo": demo.run}});
+        let (status, answer) = demo.api("POST", "/v1/tasks", Some(&format!("refund-{}-{n}", demo.run)), Some(body))?;
+        if status != 202 {
+            bail!("submitting a refund answered {status}: {answer}");
+        }
+        refunds.push(answer["task_id"].as_str().unwrap_or_default().to_owned());
+    }
+    println!("  2 refunds that need an approval\n");
+
+    let expected = demo.config.tickets + image_ids.len() + refunds.len();
+    let deadline = Instant::now() + Duration::from_secs(demo.config.timeout_s);
+    let mut killed = false;
+    let mut approved = false;
+    loop {
+        let tasks = demo.tasks()?;
+        let counts = tally(&tasks);
+        let settled: usize = SETTLED.iter().map(|s| counts.get(*s).copied().unwrap_or(0)).sum();
+        println!("  [{:>4} s] {} of {expected} accepted: {}", clock.elapsed().as_secs(), tasks.len(), line(&counts));
+        if !killed && settled >= expected / 3 {
+            killed = true;
+            let pid = std::fs::read_to_string(&demo.config.executor_pidfile)?.trim().to_owned();
+            Command::new("kill").args(["-KILL", &pid]).status()?;
+            println!("  >> executor (pid {pid}) killed with SIGKILL mid-run; starting a new one");
+            let mut parts = demo.config.restart.split_whitespace();
+            let program = parts.next().context("restart command")?;
+            let status = Command::new(program).args(parts).stdout(std::process::Stdio::null()).status()?;
+            if !status.success() {
+                bail!("restarting the stack failed");
+            }
+        }
+        let waiting = tasks.iter().filter(|t| t["state"] == "awaiting_approval").count();
+        if !approved && waiting == refunds.len() {
+            approved = true;
+            for id in &refunds {
+                let (status, _) = demo.api(
+                    "POST",
+                    &format!("/v1/tasks/{id}/signals/refund_approved"),
+                    Some(&format!("approve-{id}")),
+                    Some(json!({"approved_by": "support lead"})),
+                )?;
+                println!("  >> refund {id} approved by a person ({status})");
+            }
+        }
+        if tasks.len() >= expected && settled == expected {
+            break;
+        }
+        if Instant::now() > deadline {
+            println!("\n  the demo's time ran out; what is not settled is shown as it is");
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+
+    report(&demo, &before, clock.elapsed())
+}
+
+fn report(demo: &Demo, before: &BTreeMap<&str, (usize, usize)>, took: Duration) -> anyhow::Result<()> {
+    let tasks = demo.tasks()?;
+    let counts = tally(&tasks);
+    println!("\nAfter {} s, {} tasks:\n", took.as_secs(), tasks.len());
+    println!("  {:<20} {:>6}", "state", "tasks");
+    for (state, n) in &counts {
+        println!("  {state:<20} {n:>6}");
+    }
+    let retried = tasks.iter().filter(|t| t["attempt"].as_i64().unwrap_or(0) > 1).count();
+    println!("\n  retried: {retried} tasks needed more than one attempt; what the providers saw:");
+    for name in ["imagegen", "llm", "payments"] {
+        let calls = demo.provider_call(name, "GET", "/admin/calls", None)?;
+        let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
+        for call in calls.as_array().into_iter().flatten().skip(before.get(name).map_or(0, |b| b.0)) {
+            let outcome = call["outcome"].as_str().unwrap_or("?").to_owned();
+            *outcomes.entry(outcome).or_insert(0) += 1;
+        }
+        let described: Vec<String> = outcomes.iter().map(|(o, n)| format!("{o} {n}")).collect();
+        println!("    {name:<10} {}", described.join(" · "));
+    }
+    for state in ["outcome_unknown", "needs_human", "failed"] {
+        for task in tasks.iter().filter(|t| t["state"] == state) {
+            println!("  {state}: {} — {}", task["task_id"], task["reason"].as_str().unwrap_or(""));
+        }
+    }
+    let by_kind = |kind: &str| tasks.iter().filter(|t| t["kind"] == kind).count();
+    println!("\n  {:<10} {:>8} {:>14}   judged by the provider's own ledger", "provider", "charges", "for tasks");
+    let rows = [
+        ("imagegen", by_kind("image.generate"), "image.generate × 1 call"),
+        ("llm", 2 * (by_kind("ticket.reply") + by_kind("ticket.triage")), "tickets × 2 calls"),
+        ("payments", by_kind("ticket.triage"), "refunds × 1 call"),
+    ];
+    for (name, owed, what) in rows {
+        let ledger = demo.provider_call(name, "GET", "/admin/ledger", None)?;
+        let charges =
+            ledger["charges"].as_array().map_or(0, Vec::len).saturating_sub(before.get(name).map_or(0, |b| b.1));
+        println!("  {name:<10} {charges:>8} {owed:>14}   {what}");
+    }
+    println!("\nWhere to look next:");
+    println!(
+        "  the task API      curl -H 'Authorization: Bearer <token>' {}/v1/tasks?state=succeeded",
+        demo.config.intake
+    );
+    println!("  the status topic  fenceline.status on {} (compacted, one snapshot per task)", demo.config.brokers);
+    println!("  the logs          deploy/local/stack logs [service]");
+    Ok(())
+}

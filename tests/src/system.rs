@@ -415,7 +415,20 @@ impl System {
                 return state.clone();
             }
             if tokio::time::Instant::now() >= deadline {
-                panic!("task {task} never reached {states:?}; last seen {seen:?}\n{}", self.logs());
+                let states: Vec<(String, i64)> =
+                    sqlx::query_as("SELECT state, count(*) FROM scheduler.tasks GROUP BY state")
+                        .fetch_all(&self.pool)
+                        .await
+                        .unwrap_or_default();
+                let slots: Vec<(String, i64)> =
+                    sqlx::query_as("SELECT provider, count(*) FROM scheduler.slots GROUP BY provider")
+                        .fetch_all(&self.pool)
+                        .await
+                        .unwrap_or_default();
+                panic!(
+                    "task {task} never reached {states:?}; last seen {seen:?}\nall tasks: {states:?}; slots held: {slots:?}\n{}",
+                    self.logs()
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

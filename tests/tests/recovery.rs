@@ -17,6 +17,30 @@ async fn calls(system: &System, provider: &str) -> (usize, usize) {
     (p.charges().await, p.calls().await.len())
 }
 
+/// Submits an image task through intake's API with an idempotency key.
+async fn submit_through_intake(intake: &str, token: &str) -> fenceline_domain::ids::TaskId {
+    let url = format!("{intake}/v1/tasks");
+    let body = json!({"kind": "image.generate", "input": {"prompt": "a red shoe"}});
+    let (status, answer) = tokio::task::spawn_blocking({
+        let token = token.to_owned();
+        move || {
+            let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+            let mut response = agent
+                .post(&url)
+                .header("Authorization", format!("Bearer {token}"))
+                .header("Idempotency-Key", "resolution-test")
+                .send_json(&body)
+                .expect("answer");
+            let status = response.status().as_u16();
+            (status, response.body_mut().read_json::<serde_json::Value>().unwrap_or_default())
+        }
+    })
+    .await
+    .expect("submit");
+    assert_eq!(status, 202, "{answer}");
+    answer["task_id"].as_str().expect("task id").parse().expect("task id")
+}
+
 /// Kills the executor at `point` on its first task, starts a clean one, and
 /// returns the task once the system has decided.
 async fn crash_executor_at(system: &mut System, point: &str) -> fenceline_domain::ids::TaskId {
@@ -165,9 +189,13 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
     let mut system = System::new(&[("img", Caps::default())]).await;
     system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate,ticket.triage".into())]).await;
     let token = system.token("acme").await;
-    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
-    system.wait_state(task, &["outcome_unknown"], LONG).await;
     let intake = system.url_of("intake");
+    system.spawn_all(Some("executor.after_provider_answer=return(crash)")).await;
+    // Submitted through the API, as a client would.
+    let task = submit_through_intake(&intake, &token).await;
+    assert!(system.service("executor").wait_exit(LONG).await.is_some(), "the executor crashed after the answer");
+    system.spawn("executor", "executor", &[]).await;
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
     let resolve = |body: serde_json::Value| {
         let url = format!("{intake}/v1/tasks/{task}/resolution");
         let token = token.clone();
@@ -176,7 +204,7 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
 
     // Retrying as new needs the acknowledgement that it may be billed again.
     let (status, body) = resolve(json!({"action": "retry_as_new"})).await;
-    assert!(status == 422 && body.to_string().contains("acknowledge_possible_charge"), "{status} {body}");
+    assert!(status == 400 && body.to_string().contains("acknowledge_possible_charge"), "{status} {body}");
     // Intake offers the resolution once the status (with its case) is projected.
     let deadline = tokio::time::Instant::now() + LONG;
     loop {
@@ -190,7 +218,8 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
     system.wait_state(task, &["succeeded"], LONG).await;
     let log = system.provider("img").calls().await;
     assert_eq!(log.len(), 2, "one call per generation: {log:?}");
-    assert_ne!(log[0]["operation_key"], log[1]["operation_key"], "the new generation is a new operation");
+    assert_ne!(log[0]["request_id"], log[1]["request_id"], "the new generation is a new operation");
+    assert_eq!(system.provider("img").charges().await, 2, "billed again, as the person acknowledged");
 
     // The same decision again changes nothing.
     let (again, _) = resolve(json!({"action": "retry_as_new", "acknowledge_possible_charge": true})).await;

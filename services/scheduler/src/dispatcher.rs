@@ -93,9 +93,12 @@ impl Dispatcher {
         Some(listener)
     }
 
-    /// How long until the earliest timer, at most [`LONGEST_SLEEP`].
+    /// How long until the next timer falls due, at most [`LONGEST_SLEEP`]. Tasks
+    /// already due but blocked by full slots wait for the notification of a freed
+    /// slot (or a rate bucket's refill), not for a timer: no busy loop.
     async fn until_next_due(&self, rate_blocked: &HashMap<String, Micros>) -> Duration {
-        let next: Option<i64> = sqlx::query_scalar("SELECT min(due_at_us) FROM tasks WHERE due_at_us IS NOT NULL")
+        let next: Option<i64> = sqlx::query_scalar("SELECT min(due_at_us) FROM tasks WHERE due_at_us > $1")
+            .bind(Timestamp::now().0)
             .fetch_one(&self.pool)
             .await
             .unwrap_or(None);

@@ -12,8 +12,8 @@ use fenceline_domain::vocabulary::Priority;
 use fenceline_events::{Event, Headers, TaskAccepted, Timestamp, encode, topics};
 use serde_json::{Value, json};
 
-use crate::process::Proc;
-use crate::{brokers, fresh_database, fresh_topics_with};
+use crate::process::{OwnBroker, Proc};
+use crate::{PARTITIONS, fresh_database, kafka};
 
 /// The topics the services exchange.
 pub const SYSTEM_TOPICS: &[&str] =
@@ -131,6 +131,9 @@ pub struct System {
     pub urls: HashMap<String, String>,
     /// Settings every service process gets (short leases and timeouts for tests).
     pub env: Vec<(&'static str, String)>,
+    /// A broker of this system's own: this broker's CPU grows with every partition
+    /// it holds, so heavy suites do not share one that earlier tests filled.
+    pub broker: OwnBroker,
 }
 
 impl System {
@@ -140,7 +143,15 @@ impl System {
     /// service runs yet: call [`System::spawn`].
     pub async fn new(providers: &[(&str, Caps)]) -> Self {
         let url = fresh_database().await;
-        let prefix = fresh_topics_with(SYSTEM_TOPICS).await;
+        let broker = OwnBroker::start().await;
+        let prefix = "sys.".to_owned();
+        let mut topics_kafka = kafka(&prefix);
+        topics_kafka.brokers = broker.brokers();
+        let wanted: Vec<_> = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
+            .into_iter()
+            .filter(|t| SYSTEM_TOPICS.iter().any(|w| t.name.ends_with(*w)))
+            .collect();
+        fenceline_bus::admin::ensure_topics(&topics_kafka, &wanted, 1).await.expect("create the system's topics");
         let scratch =
             std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
         let dir = PathBuf::from(scratch).join(format!("system-{}", uuid::Uuid::now_v7().simple()));
@@ -193,7 +204,7 @@ impl System {
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.expect("connect");
         let env = vec![
             ("FENCELINE_DATABASE_URL", url.clone()),
-            ("FENCELINE_KAFKA_BROKERS", brokers()),
+            ("FENCELINE_KAFKA_BROKERS", broker.brokers()),
             ("FENCELINE_TOPIC_PREFIX", prefix.clone()),
             ("FENCELINE_CATALOG", catalog_path.display().to_string()),
             ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
@@ -219,6 +230,7 @@ impl System {
             services: HashMap::new(),
             urls: HashMap::new(),
             env,
+            broker,
         }
     }
 
@@ -330,7 +342,7 @@ impl System {
         use rdkafka::message::{Header, OwnedHeaders};
         use rdkafka::producer::{FutureProducer, FutureRecord};
         let producer: FutureProducer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", self.broker.brokers())
             .set("broker.address.family", "v4")
             .set("linger.ms", "20")
             .create()
@@ -392,7 +404,14 @@ impl System {
         let pairs = headers.to_pairs();
         let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let key = event.task_id().map(|t| t.to_string()).unwrap_or_default();
-        crate::produce_raw(&brokers(), &format!("{}{topic}", self.prefix), key.as_bytes(), &payload, &borrowed).await;
+        crate::produce_raw(
+            &self.broker.brokers(),
+            &format!("{}{topic}", self.prefix),
+            key.as_bytes(),
+            &payload,
+            &borrowed,
+        )
+        .await;
     }
 
     /// The scheduler's state of a task and its reason.

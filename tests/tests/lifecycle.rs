@@ -235,3 +235,64 @@ async fn a_second_scheduler_joining_mid_stream_keeps_every_invariant() {
         sqlx::query_scalar("SELECT count(*) FROM scheduler.slots").fetch_one(&system.pool).await.expect("slots");
     assert_eq!(leftover, 0, "every slot was given back");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_rate_limit_spaces_the_calls_of_every_executor() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    // Two calls a second, a burst of one, slots to spare: the bucket is the limit.
+    system.set_provider_limits("img", 50, 2.0, 1.0);
+    system.spawn_all(None).await;
+    system.spawn("executor-b", "executor", &[]).await;
+    let started = std::time::Instant::now();
+    let tasks = system.submit_many("acme", "image.generate", 10).await;
+    for task in &tasks {
+        system.wait_state(*task, &["succeeded"], LONG).await;
+    }
+    let took = started.elapsed();
+    // 10 grants from a bucket of 1 refilled at 2/s need at least 4.5 s.
+    assert!(took >= Duration::from_millis(4_500), "10 calls in {took:?}: faster than the rate allows");
+    assert_eq!(system.provider("img").calls().await.len(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_reports_a_task_without_progress_and_clears_once_it_moves() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    let audit_env = [
+        ("FENCELINE_RECONCILER_NO_PROGRESS_MS", "2000".to_owned()),
+        ("FENCELINE_RECONCILER_AUDIT_EVERY_MS", "500".to_owned()),
+    ];
+    system.spawn("reconciler", "reconciler", &audit_env).await;
+    // No executor: the task is granted and nothing moves it on.
+    let task = system.submit("acme", "image.generate", json!({"p": 1})).await;
+    let audit = format!("{}/v1/audit", system.url_of("reconciler"));
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let (_, body) = fenceline_tests::system::http("GET", audit.clone(), None).await.expect("audit");
+        let findings = body["findings"].as_array().cloned().unwrap_or_default();
+        if findings.iter().any(|f| f["task_id"] == task.to_string() && f["finding"] == "no_progress") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the audit never reported the stuck task: {body}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let metrics = format!("{}/metrics", system.url_of("reconciler"));
+    let text = tokio::task::spawn_blocking(move || {
+        ureq::get(&metrics).call().expect("metrics").body_mut().read_to_string().expect("text")
+    })
+    .await
+    .expect("metrics");
+    assert!(text.contains("fenceline_audit_findings{finding=\"no_progress\"} 1"), "{text}");
+
+    system.spawn("executor", "executor", &[]).await;
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let (_, body) = fenceline_tests::system::http("GET", audit.clone(), None).await.expect("audit");
+        if body["findings"].as_array().is_some_and(Vec::is_empty) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the finding never cleared: {body}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}

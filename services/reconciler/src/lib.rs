@@ -1,10 +1,12 @@
 //! Reconciler: finds what is stuck or ambiguous, asks providers for evidence, and decides.
 
+pub mod audit;
 pub mod evidence;
 pub mod watches;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use fenceline_config::ServiceConfig;
 use fenceline_config::catalog::CatalogConfig;
@@ -31,6 +33,15 @@ pub struct Config {
     pub catalog: CatalogConfig,
     #[command(flatten)]
     pub reconciler: ReconcilerSettings,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// What the binary does besides serving.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Command {
+    /// Runs one audit now and lists every finding (exit status 1 if there are any).
+    Audit,
 }
 
 /// Watches and look-ups.
@@ -51,6 +62,23 @@ pub struct ReconcilerSettings {
     /// Longest wait between two look-ups, in milliseconds.
     #[arg(long = "ask-cap-ms", env = "FENCELINE_RECONCILER_ASK_CAP_MS", default_value_t = 60_000)]
     pub ask_cap_ms: u64,
+
+    /// A queued or waiting task whose status has not changed for this long is
+    /// reported by the audit, in milliseconds.
+    #[arg(long = "no-progress-ms", env = "FENCELINE_RECONCILER_NO_PROGRESS_MS", default_value_t = 900_000)]
+    pub no_progress_ms: u64,
+
+    /// How often the audit runs, in milliseconds.
+    #[arg(long = "audit-every-ms", env = "FENCELINE_RECONCILER_AUDIT_EVERY_MS", default_value_t = 60_000)]
+    pub audit_every_ms: u64,
+}
+
+impl ReconcilerSettings {
+    /// How long a running task may show no live expectation before it is reported:
+    /// long enough for the events that end one attempt and start the next.
+    pub fn audit_grace(&self) -> Duration {
+        Duration::from_millis(self.claim_timeout_ms.max(5_000))
+    }
 }
 
 /// Builds the reconciler: connects and migrates its schema, starts its outbox
@@ -60,11 +88,18 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let settings = Arc::new(config.reconciler);
     let providers: HashMap<String, HttpProvider> =
         catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
-    let mut app =
-        ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
+    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
+        let pool = actix_web::web::Data::new(base.database.pool.clone());
+        move |cfg: &mut actix_web::web::ServiceConfig| {
+            cfg.app_data(pool.clone())
+                .route("/v1/audit", actix_web::web::get().to(audit_findings))
+                .route("/metrics", actix_web::web::get().to(metrics));
+        }
+    })
+    .await?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let watches = watches::Watches { catalog: catalog.clone(), settings: settings.clone(), wake: wake.clone() };
-    app.consume("watches", &[topics::DISPATCH, topics::ATTEMPTS], watches)?;
+    app.consume("watches", &[topics::DISPATCH, topics::ATTEMPTS, topics::STATUS], watches)?;
     let reconciler = evidence::Reconciler {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),
@@ -74,6 +109,48 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         wake,
     };
     let shutdown = app.base.shutdown.child_token();
+    let pool = app.base.database.pool.clone();
+    let audit_settings = reconciler.settings.clone();
     app.base.spawn(reconciler.run(shutdown));
+    let shutdown = app.base.shutdown.child_token();
+    app.base.spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(audit_settings.audit_every_ms.max(100)));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => {
+                    let no_progress = Duration::from_millis(audit_settings.no_progress_ms);
+                    if let Err(e) = audit::run(&pool, no_progress, audit_settings.audit_grace()).await {
+                        tracing::warn!(error = %e, "the audit failed; trying again at the next round");
+                    }
+                }
+            }
+        }
+    });
     Ok(app)
+}
+
+/// Runs one audit against the reconciler's schema and returns its findings.
+pub async fn audit_now(config: &Config) -> anyhow::Result<Vec<audit::Finding>> {
+    let database =
+        fenceline_store::connect(&config.service.postgres, NAME, &[&fenceline_bus::MIGRATOR, &MIGRATOR]).await?;
+    let no_progress = Duration::from_millis(config.reconciler.no_progress_ms);
+    let (found, _) = audit::run(&database.pool, no_progress, config.reconciler.audit_grace()).await?;
+    Ok(found)
+}
+
+async fn audit_findings(pool: actix_web::web::Data<sqlx::PgPool>) -> actix_web::HttpResponse {
+    match audit::findings(&pool).await {
+        Ok(found) => actix_web::HttpResponse::Ok().json(serde_json::json!({ "findings": found })),
+        Err(e) => actix_web::HttpResponse::ServiceUnavailable().body(e.to_string()),
+    }
+}
+
+async fn metrics(pool: actix_web::web::Data<sqlx::PgPool>) -> actix_web::HttpResponse {
+    match audit::findings(&pool).await {
+        Ok(found) => {
+            actix_web::HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(audit::metrics(&found))
+        }
+        Err(e) => actix_web::HttpResponse::ServiceUnavailable().body(e.to_string()),
+    }
 }

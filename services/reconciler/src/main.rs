@@ -7,6 +7,15 @@ async fn main() -> anyhow::Result<()> {
     let _telemetry = fenceline_telemetry::init(fenceline_reconciler::NAME);
     let _faults = fenceline_bus::faults::setup();
     let config = fenceline_reconciler::Config::parse();
+    if let Some(fenceline_reconciler::Command::Audit) = config.command {
+        let found = fenceline_reconciler::audit_now(&config).await?;
+        #[allow(clippy::print_stdout)]
+        for f in &found {
+            println!("{}\t{}\t{}\t{}", f.finding, f.task_id, f.state, f.detail);
+        }
+        anyhow::ensure!(found.is_empty(), "{} findings", found.len());
+        return Ok(());
+    }
     let app = fenceline_reconciler::build(config).await?;
     app.run_until(fenceline_runtime::shutdown_signal()).await;
     Ok(())

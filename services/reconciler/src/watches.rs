@@ -210,6 +210,23 @@ impl Handler for Watches {
                     .await?;
             }
             Event::StepCheckpointed(_) | Event::AwaitingSignal(_) => {}
+            Event::TaskStatus(s) => {
+                sqlx::query(
+                    "INSERT INTO task_states (task_id, tenant, kind, state, reason, version, updated_at_us) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (task_id) DO UPDATE SET \
+                     state = EXCLUDED.state, reason = EXCLUDED.reason, version = EXCLUDED.version, \
+                     updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
+                )
+                .bind(s.task_id.as_uuid())
+                .bind(&s.tenant)
+                .bind(&s.kind)
+                .bind(s.state.as_str())
+                .bind(&s.reason)
+                .bind(s.version)
+                .bind(s.updated_at.0)
+                .execute(&mut *tx)
+                .await?;
+            }
             Event::AttemptSucceeded(e) => self.ended(tx, e.grant_id).await?,
             Event::AttemptReleased(e) => self.ended(tx, e.grant_id).await?,
             Event::AttemptFailed(e) => {

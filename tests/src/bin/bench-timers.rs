@@ -67,8 +67,9 @@ async fn scheduler_run(timers: usize, spread_s: u64) -> (Vec<f64>, Vec<f64>) {
     });
     let wait = Duration::from_micros(u64::try_from(dues[dues.len() - 1] - Timestamp::now().0).unwrap_or(0));
     let topic = format!("{}{}", system.prefix, topics::DISPATCH);
+    let brokers = system.broker.brokers();
     let messages = tokio::task::spawn_blocking(move || {
-        fenceline_tests::read_topic(&fenceline_tests::brokers(), &topic, timers, wait + Duration::from_secs(60))
+        fenceline_tests::read_topic(&brokers, &topic, timers, wait + Duration::from_secs(60))
     })
     .await
     .unwrap_or_default();

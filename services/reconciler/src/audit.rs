@@ -1,0 +1,92 @@
+//! The audit: compares what the status topic says of each task with the
+//! reconciler's own expectations, periodically and on demand. Findings:
+//!
+//! - `no_live_expectation`: the task shows `running`, but no grant of it is live
+//!   and no case about it is open: nothing will ever move it on.
+//! - `no_progress`: the task shows `queued` or `waiting` and its status has not
+//!   changed for longer than the threshold.
+//!
+//! Each audit replaces the findings table; new findings are logged, all are served
+//! at `GET /v1/audit`, counted at `GET /metrics` and listed by
+//! `fenceline-reconciler audit`.
+
+use std::time::Duration;
+
+use fenceline_events::Timestamp;
+use serde::Serialize;
+use sqlx::PgPool;
+
+/// One task the audit found wrong.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct Finding {
+    pub task_id: uuid::Uuid,
+    pub finding: String,
+    pub state: String,
+    pub detail: String,
+}
+
+/// Runs one audit and stores its findings; returns them and how many are new.
+pub async fn run(pool: &PgPool, no_progress: Duration, grace: Duration) -> Result<(Vec<Finding>, usize), sqlx::Error> {
+    let now = Timestamp::now().0;
+    let stale_before = now - i64::try_from(no_progress.as_micros()).unwrap_or(i64::MAX / 4);
+    let settled_before = now - i64::try_from(grace.as_micros()).unwrap_or(i64::MAX / 4);
+    let mut tx = pool.begin().await?;
+    let found: Vec<Finding> = sqlx::query_as(
+        "SELECT s.task_id, 'no_live_expectation' AS finding, s.state, \
+                'shows running since ' || to_char(to_timestamp(s.updated_at_us / 1e6) AT TIME ZONE 'UTC', \
+                'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') || ' with no live grant and no open case' AS detail \
+         FROM task_states s \
+         WHERE s.state = 'running' AND s.updated_at_us < $2 \
+           AND NOT EXISTS (SELECT 1 FROM grants g WHERE g.task_id = s.task_id AND NOT g.ended) \
+           AND NOT EXISTS (SELECT 1 FROM cases c WHERE c.task_id = s.task_id AND c.state = 'asking') \
+         UNION ALL \
+         SELECT s.task_id, 'no_progress', s.state, \
+                'no change for ' || ((($3 - s.updated_at_us) / 1000000)::bigint) || ' s' \
+         FROM task_states s \
+         WHERE s.state IN ('queued', 'waiting') AND s.updated_at_us < $1",
+    )
+    .bind(stale_before)
+    .bind(settled_before)
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?;
+    let known: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT task_id, finding FROM audit_findings").fetch_all(&mut *tx).await?;
+    sqlx::query("DELETE FROM audit_findings").execute(&mut *tx).await?;
+    let mut new = 0;
+    for f in &found {
+        if !known.iter().any(|(t, k)| *t == f.task_id && *k == f.finding) {
+            new += 1;
+            tracing::warn!(task_id = %f.task_id, finding = %f.finding, state = %f.state, detail = %f.detail, "audit finding");
+        }
+        sqlx::query("INSERT INTO audit_findings (task_id, finding, state, detail) VALUES ($1, $2, $3, $4)")
+            .bind(f.task_id)
+            .bind(&f.finding)
+            .bind(&f.state)
+            .bind(&f.detail)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok((found, new))
+}
+
+/// The findings of the last audit.
+pub async fn findings(pool: &PgPool) -> Result<Vec<Finding>, sqlx::Error> {
+    sqlx::query_as("SELECT task_id, finding, state, detail FROM audit_findings ORDER BY finding, task_id")
+        .fetch_all(pool)
+        .await
+}
+
+/// The findings as Prometheus text: one gauge per kind of finding.
+pub fn metrics(findings: &[Finding]) -> String {
+    let mut out = String::from(
+        "# HELP fenceline_audit_findings Tasks the last audit found wrong, by kind of finding.\n\
+         # TYPE fenceline_audit_findings gauge\n",
+    );
+    for kind in ["no_live_expectation", "no_progress"] {
+        let n = findings.iter().filter(|f| f.finding == kind).count();
+        out.push_str(&format!("fenceline_audit_findings{{finding=\"{kind}\"}} {n}\n"));
+    }
+    out
+}

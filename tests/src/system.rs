@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::Priority;
-use fenceline_events::{Event, Headers, TaskAccepted, Timestamp, encode, topics};
+use fenceline_events::{Event, TaskAccepted, Timestamp, encode_record, topics};
 use serde_json::{Value, json};
 
 use crate::process::{OwnBroker, Proc};
@@ -366,15 +366,7 @@ impl System {
             };
             customise(n, &mut accepted);
             let event = Event::TaskAccepted(accepted);
-            let (payload, fingerprint) = encode(&event).expect("encode");
-            let headers = Headers {
-                event_id: fenceline_domain::ids::EventId::new_v7(),
-                event_type: event.event_type().to_owned(),
-                schema_fingerprint: hex::encode(fingerprint),
-                producer: "test".to_owned(),
-                produced_at: Timestamp::now(),
-                traceparent: None,
-            };
+            let (payload, headers) = encode_record(&event, "test").expect("encode");
             let pairs = headers.to_pairs();
             let kafka_headers = pairs
                 .iter()
@@ -392,15 +384,7 @@ impl System {
 
     /// Publishes an event on a contract topic, keyed by its task, with the headers.
     pub async fn publish(&self, topic: &str, event: &Event) {
-        let (payload, fingerprint) = encode(event).expect("encode");
-        let headers = Headers {
-            event_id: fenceline_domain::ids::EventId::new_v7(),
-            event_type: event.event_type().to_owned(),
-            schema_fingerprint: hex::encode(fingerprint),
-            producer: "test".to_owned(),
-            produced_at: Timestamp::now(),
-            traceparent: None,
-        };
+        let (payload, headers) = encode_record(event, "test").expect("encode");
         let pairs = headers.to_pairs();
         let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let key = event.task_id().map(|t| t.to_string()).unwrap_or_default();

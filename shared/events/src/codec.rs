@@ -135,6 +135,21 @@ pub fn encode(event: &Event) -> Result<(Vec<u8>, [u8; 8]), EncodeError> {
     Ok((out, fp))
 }
 
+/// Encodes an event and makes the headers of a new record of it, as an outside
+/// producer (an upstream system, a test) writes it straight to a topic.
+pub fn encode_record(event: &Event, producer: &str) -> Result<(Vec<u8>, Headers), EncodeError> {
+    let (payload, fingerprint) = encode(event)?;
+    let headers = Headers {
+        event_id: fenceline_domain::ids::EventId::new_v7(),
+        event_type: event.event_type().to_owned(),
+        schema_fingerprint: hex::encode(fingerprint),
+        producer: producer.to_owned(),
+        produced_at: crate::Timestamp::now(),
+        traceparent: None,
+    };
+    Ok((payload, headers))
+}
+
 /// Decodes a single-object encoded value written with any known schema, resolved to
 /// the current schema of its type.
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {

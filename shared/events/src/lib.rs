@@ -8,7 +8,7 @@ mod timestamp;
 pub mod topics;
 mod types;
 
-pub use codec::{DecodeError, EncodeError, SchemaRegistry, decode, encode, registry};
+pub use codec::{DecodeError, EncodeError, SchemaRegistry, decode, encode, encode_record, registry};
 pub use headers::{HeaderError, Headers, header_names};
 pub use timestamp::Timestamp;
 pub use types::*;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use fenceline_domain::vocabulary::Priority;
-use fenceline_events::{Event, Headers, TaskRequest, Timestamp, encode};
+use fenceline_events::{Event, TaskRequest, encode_record};
 use hmac::{Hmac, Mac};
 use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -220,15 +220,7 @@ async fn main() -> anyhow::Result<()> {
         });
         let copies = if n % 8 == 0 { 2 } else { 1 };
         for _ in 0..copies {
-            let (payload, fingerprint) = encode(&request)?;
-            let headers = Headers {
-                event_id: fenceline_domain::ids::EventId::new_v7(),
-                event_type: request.event_type().to_owned(),
-                schema_fingerprint: hex::encode(fingerprint),
-                producer: "crm".into(),
-                produced_at: Timestamp::now(),
-                traceparent: None,
-            };
+            let (payload, headers) = encode_record(&request, "crm")?;
             let pairs = headers.to_pairs();
             let kafka_headers = pairs
                 .iter()

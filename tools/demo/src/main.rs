@@ -301,7 +301,10 @@ async fn main() -> anyhow::Result<()> {
             killed = true;
             let pid = std::fs::read_to_string(&demo.config.executor_pidfile)?.trim().to_owned();
             Command::new("kill").args(["-KILL", &pid]).status()?;
-            println!("  >> executor (pid {pid}) killed with SIGKILL mid-run; starting a new one");
+            println!("  >> executor (pid {pid}) killed with SIGKILL mid-run; a new one starts 15 s later");
+            // As a supervisor restarts after a back-off: meanwhile the dead member's
+            // group session expires, and its leases lapse and are taken over.
+            tokio::time::sleep(Duration::from_secs(15)).await;
             let mut parts = demo.config.restart.split_whitespace();
             let program = parts.next().context("restart command")?;
             let status = Command::new(program).args(parts).stdout(std::process::Stdio::null()).status()?;

@@ -36,7 +36,7 @@ async fn start_intake_with(
     customise: impl FnOnce(&mut fenceline_intake::Config),
 ) -> Intake {
     let url = fresh_database().await;
-    let wanted = [&[topics::TASKS, topics::STATUS, topics::DEADLETTER][..], more_topics].concat();
+    let wanted = [&[topics::TASKS, topics::STATUS, topics::RECOVERY, topics::DEADLETTER][..], more_topics].concat();
     let prefix = fresh_topics_with(&wanted).await;
     let mut config = intake_config(&url, &prefix, kinds);
     customise(&mut config);

@@ -202,6 +202,22 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
         async move { fenceline_tests::system::http_as("POST", url, &token, Some(body)).await.expect("answer") }
     };
 
+    // The task shows its case: the evidence, and what each resolution would do.
+    let read = format!("{intake}/v1/tasks/{task}");
+    let deadline = tokio::time::Instant::now() + LONG;
+    let case = loop {
+        let (_, body) = fenceline_tests::system::http_as("GET", read.clone(), &token, None).await.expect("read");
+        if body["state"] == "outcome_unknown" && body["case"].is_object() {
+            break body["case"].clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "intake never showed the case: {body}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let findings: Vec<&str> =
+        case["evidence"].as_array().into_iter().flatten().filter_map(|e| e["finding"].as_str()).collect();
+    assert!(findings.iter().any(|f| f.contains("call_intent")), "{case}");
+    assert!(case["resolutions"]["retry_as_new"].as_str().unwrap_or_default().contains("bill"), "{case}");
+
     // Retrying as new needs the acknowledgement that it may be billed again.
     let (status, body) = resolve(json!({"action": "retry_as_new"})).await;
     assert!(status == 400 && body.to_string().contains("acknowledge_possible_charge"), "{status} {body}");

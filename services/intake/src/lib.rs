@@ -119,6 +119,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let pool = app.base.database.pool.clone();
 
     app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection)?;
+    app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection)?;
     app.consume(
         "requests",
         &[fenceline_events::topics::INTAKE_REQUESTS],

@@ -254,6 +254,34 @@ pub struct TaskView {
     #[serde(with = "time::serde::rfc3339")]
     pub updated_at: OffsetDateTime,
     pub version: i64,
+    /// For `outcome_unknown` (single reads only): the evidence and what each
+    /// resolution would do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub case: Option<CaseView>,
+}
+
+/// An `outcome_unknown` case as a person needs it to decide.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaseView {
+    pub case_id: String,
+    pub evidence: Vec<fenceline_events::Evidence>,
+    /// What each resolution of `POST /v1/tasks/{id}/resolution` would do.
+    pub resolutions: BTreeMap<String, String>,
+}
+
+impl CaseView {
+    fn resolutions() -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (
+                "retry_as_new".to_owned(),
+                "starts the work again as a new operation with a new operation key; the provider may bill it \
+                 again (needs acknowledge_possible_charge: true)"
+                    .to_owned(),
+            ),
+            ("accept_failed".to_owned(), "ends the task as failed; nothing is called".to_owned()),
+            ("attach_result".to_owned(), "ends the task as succeeded with a result found elsewhere".to_owned()),
+        ])
+    }
 }
 
 /// A task joined with its projected status; the status is absent until the
@@ -296,6 +324,7 @@ impl From<Row> for TaskView {
             case_id: row.case_id,
             updated_at: row.updated_at.unwrap_or(row.accepted_at),
             version: row.version.unwrap_or(0),
+            case: None,
         }
     }
 }
@@ -308,7 +337,48 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
         .bind(tenant.as_str())
         .fetch_optional(pool)
         .await?;
-    row.map(TaskView::from).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
+    let mut view = row.map(TaskView::from).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))?;
+    if view.state == TaskState::OutcomeUnknown.as_str() {
+        let case: Option<(String, sqlx::types::Json<Vec<fenceline_events::Evidence>>)> =
+            sqlx::query_as("SELECT case_id, evidence FROM task_cases WHERE task_id = $1")
+                .bind(task_id.as_uuid())
+                .fetch_optional(pool)
+                .await?;
+        view.case = case.map(|(case_id, evidence)| CaseView {
+            case_id,
+            evidence: evidence.0,
+            resolutions: CaseView::resolutions(),
+        });
+    }
+    Ok(view)
+}
+
+/// Projects the `outcome_unknown` decisions of `fenceline.recovery` with their
+/// evidence, for reads.
+#[derive(Debug, Clone, Default)]
+pub struct CaseProjection;
+
+impl Handler for CaseProjection {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let Event::RecoveryDecided(decided) = &record.envelope.event else {
+            return Ok(());
+        };
+        let Some(case_id) = decided.case_id.as_ref().filter(|_| decided.decision.as_str() == "outcome_unknown") else {
+            return Ok(());
+        };
+        sqlx::query(
+            "INSERT INTO task_cases (task_id, case_id, evidence, decided_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (task_id) DO UPDATE SET case_id = EXCLUDED.case_id, evidence = EXCLUDED.evidence, \
+             decided_at = EXCLUDED.decided_at",
+        )
+        .bind(decided.task_id.as_uuid())
+        .bind(case_id)
+        .bind(sqlx::types::Json(&decided.evidence))
+        .bind(decided.decided_at.to_datetime())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
 }
 
 /// Projects `fenceline.status` into `task_view`: the newest version wins, so a

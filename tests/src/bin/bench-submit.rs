@@ -102,7 +102,14 @@ fn report(name: &str, runs: &[Figures]) {
 async fn main() {
     let (rate, seconds, runs) = (setting("BENCH_RATE", 200), setting("BENCH_SECONDS", 10), setting("BENCH_RUNS", 3));
     let url = fresh_database().await;
-    let prefix = fresh_topics_with(&[topics::TASKS, topics::STATUS, topics::DEADLETTER, topics::INTAKE_REQUESTS]).await;
+    let prefix = fresh_topics_with(&[
+        topics::TASKS,
+        topics::STATUS,
+        topics::RECOVERY,
+        topics::DEADLETTER,
+        topics::INTAKE_REQUESTS,
+    ])
+    .await;
     let config = intake_config(&url, &prefix, vec!["image.generate".into()]);
     let app = fenceline_intake::build(config).await.expect("intake starts");
     let pool = app.base.database.pool.clone();

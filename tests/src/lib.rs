@@ -273,18 +273,21 @@ pub fn read_topic(brokers: &str, topic: &str, expected: usize, timeout: Duration
     out
 }
 
+/// Record headers from name/value pairs.
+pub fn kafka_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> rdkafka::message::OwnedHeaders {
+    use rdkafka::message::{Header, OwnedHeaders};
+    pairs.into_iter().fold(OwnedHeaders::new(), |acc, (k, v)| acc.insert(Header { key: k, value: Some(v.as_bytes()) }))
+}
+
 /// Produces raw bytes to a topic, as a misbehaving upstream would.
 pub async fn produce_raw(brokers: &str, topic: &str, key: &[u8], value: &[u8], headers: &[(&str, &str)]) {
-    use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("broker.address.family", "v4")
         .create()
         .expect("producer");
-    let headers = headers
-        .iter()
-        .fold(OwnedHeaders::new(), |acc, (k, v)| acc.insert(Header { key: k, value: Some(v.as_bytes()) }));
+    let headers = kafka_headers(headers.iter().copied());
     producer
         .send(FutureRecord::to(topic).key(key).payload(value).headers(headers), Duration::from_secs(10))
         .await

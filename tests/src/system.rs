@@ -339,7 +339,6 @@ impl System {
         count: usize,
         customise: impl Fn(usize, &mut TaskAccepted),
     ) -> Vec<TaskId> {
-        use rdkafka::message::{Header, OwnedHeaders};
         use rdkafka::producer::{FutureProducer, FutureRecord};
         let producer: FutureProducer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", self.broker.brokers())
@@ -368,9 +367,7 @@ impl System {
             let event = Event::TaskAccepted(accepted);
             let (payload, headers) = encode_record(&event, "test").expect("encode");
             let pairs = headers.to_pairs();
-            let kafka_headers = pairs
-                .iter()
-                .fold(OwnedHeaders::new(), |h, (k, v)| h.insert(Header { key: k, value: Some(v.as_bytes()) }));
+            let kafka_headers = crate::kafka_headers(pairs.iter().map(|(k, v)| (*k, v.as_str())));
             let key = task_id.to_string();
             let record = FutureRecord::to(&topic).key(&key).payload(&payload).headers(kafka_headers);
             pending.push(producer.send_result(record).map_err(|(e, _)| e).expect("queued"));

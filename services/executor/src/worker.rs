@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fenceline_bus::{OutboxWriter, fault};
-use fenceline_config::catalog::{Catalog, KindSpec, StepSpec};
+use fenceline_config::catalog::{Catalog, StepSpec};
 use fenceline_domain::calls::{CallOutcome, classify, operation_key};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
@@ -19,7 +19,7 @@ use fenceline_events::{
     ArtifactRef, AttemptClaimed, AttemptFailed, AttemptLost, AttemptReleased, AttemptSucceeded, AwaitingSignal,
     CallIntentRecorded, Event, ProviderAccepted, StepCheckpointed, Timestamp, topics,
 };
-use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult, VerifyError};
+use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -279,8 +279,8 @@ impl Workers {
         let mut last: Option<ArtifactRef> = None;
         for step in &kind.steps {
             if let Some(output) = done.get(&step.name) {
-                if let Ok(a) = serde_json::from_value::<ProviderResultJson>(output.clone()) {
-                    last = Some(a.into());
+                if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
+                    last = Some(artifact);
                 }
                 outputs.insert(step.name.clone(), output.clone());
                 continue;
@@ -297,12 +297,9 @@ impl Workers {
                 Some(signal) => return self.await_signal(lease, &step.name, signal).await,
                 None => {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
-                    match self.call_step(kind, step, lease, call_input, shutdown, deadline_us).await? {
+                    match self.call_step(step, lease, call_input, shutdown, deadline_us).await? {
                         Some(result) => {
-                            outputs.insert(
-                                step.name.clone(),
-                                serde_json::to_value(ProviderResultJson::from(&result)).unwrap_or_default(),
-                            );
+                            outputs.insert(step.name.clone(), serde_json::to_value(&result).unwrap_or_default());
                             last = Some(result);
                         }
                         None => return Ok(()),
@@ -332,7 +329,6 @@ impl Workers {
     /// ended here (failed, released) and its event is written.
     async fn call_step(
         &self,
-        kind: &KindSpec,
         step: &StepSpec,
         lease: &mut Lease,
         input: serde_json::Value,
@@ -346,7 +342,6 @@ impl Workers {
             self.fail(lease, ErrorClass::Rejected, &format!("no provider `{provider_name}`"), None, false).await?;
             return Ok(None);
         };
-        let _ = kind;
         // Before the intent, cancellation and shutdown still cost nothing.
         let mut tx = self.pool.begin().await?;
         self.advance(&mut tx, lease, Phase::StepStarted, Some(&step.name), "running").await?;
@@ -459,16 +454,13 @@ impl Workers {
         request_id: &str,
         result: ProviderResult,
     ) -> Result<Option<ArtifactRef>, Stop> {
+        // A result that cannot be fetched is as unverified as one that does not match.
         if let Err(e) = provider.verify(&result).await {
-            let class = match e {
-                VerifyError::Mismatch { .. } => ErrorClass::ResultMismatch,
-                VerifyError::Unreachable(_) => ErrorClass::ResultMismatch,
-            };
-            self.fail(lease, class, &format!("{request_id}: {e}"), None, true).await?;
+            self.fail(lease, ErrorClass::ResultMismatch, &format!("{request_id}: {e}"), None, true).await?;
             return Ok(None);
         }
         let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
-        let output = serde_json::to_value(ProviderResultJson::from(&artifact)).unwrap_or_default();
+        let output = serde_json::to_value(&artifact).unwrap_or_default();
         self.checkpoint(lease, step, &output, Some(&artifact.sha256)).await?;
         fault!("executor.after_result_recorded");
         Ok(Some(artifact))
@@ -640,26 +632,6 @@ impl Workers {
         .execute(&mut *tx)
         .await?;
         Ok(())
-    }
-}
-
-/// An artifact as a checkpoint stores it.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct ProviderResultJson {
-    uri: String,
-    sha256: String,
-    size_bytes: i64,
-}
-
-impl From<&ArtifactRef> for ProviderResultJson {
-    fn from(a: &ArtifactRef) -> Self {
-        Self { uri: a.uri.clone(), sha256: a.sha256.clone(), size_bytes: a.size_bytes }
-    }
-}
-
-impl From<ProviderResultJson> for ArtifactRef {
-    fn from(a: ProviderResultJson) -> Self {
-        ArtifactRef { uri: a.uri, sha256: a.sha256, size_bytes: a.size_bytes }
     }
 }
 

@@ -81,9 +81,11 @@ impl LifecycleEvents {
     }
 }
 
-/// The live grant of `attempt`, if `attempt` is the task's current one.
-fn grant_of(row: &TaskRow, attempt: i32) -> Option<fenceline_domain::ids::GrantId> {
-    (i64::from(row.lifecycle.attempt) == i64::from(attempt)).then_some(row.lifecycle.live_grant).flatten()
+/// How far the live attempt got; `None` (nothing to apply) for any other attempt.
+fn progress(row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Input> {
+    let current = i64::from(row.lifecycle.attempt) == i64::from(attempt);
+    let grant_id = row.lifecycle.live_grant.filter(|_| current)?;
+    Some(Input::Progress { grant_id, step: step.to_owned(), phase })
 }
 
 impl Handler for LifecycleEvents {
@@ -108,16 +110,16 @@ impl Handler for LifecycleEvents {
                 Input::Resolution { action: e.action, result: e.attached_result.as_ref().map(tasks::artifact) }
             }
             Event::AttemptClaimed(e) => Input::Claimed { grant_id: e.grant_id },
-            Event::CallIntentRecorded(e) => match grant_of(&row, e.attempt) {
-                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::CallIntent },
+            Event::CallIntentRecorded(e) => match progress(&row, e.attempt, &e.step, Phase::CallIntent) {
+                Some(input) => input,
                 None => return Ok(()),
             },
-            Event::ProviderAccepted(e) => match grant_of(&row, e.attempt) {
-                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::ProviderAccepted },
+            Event::ProviderAccepted(e) => match progress(&row, e.attempt, &e.step, Phase::ProviderAccepted) {
+                Some(input) => input,
                 None => return Ok(()),
             },
-            Event::StepCheckpointed(e) => match grant_of(&row, e.attempt) {
-                Some(grant_id) => Input::Progress { grant_id, step: e.step.clone(), phase: Phase::ResultRecorded },
+            Event::StepCheckpointed(e) => match progress(&row, e.attempt, &e.step, Phase::ResultRecorded) {
+                Some(input) => input,
                 None => return Ok(()),
             },
             Event::AwaitingSignal(e) => {

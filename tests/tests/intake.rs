@@ -36,7 +36,9 @@ async fn start_intake_with(
     customise: impl FnOnce(&mut fenceline_intake::Config),
 ) -> Intake {
     let url = fresh_database().await;
-    let wanted = [&[topics::TASKS, topics::STATUS, topics::RECOVERY, topics::DEADLETTER][..], more_topics].concat();
+    let wanted =
+        [&[topics::TASKS, topics::STATUS, topics::ATTEMPTS, topics::RECOVERY, topics::DEADLETTER][..], more_topics]
+            .concat();
     let prefix = fresh_topics_with(&wanted).await;
     let mut config = intake_config(&url, &prefix, kinds);
     customise(&mut config);
@@ -245,16 +247,7 @@ async fn reads_follow_the_status_topic_and_never_go_backwards() {
         call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
     let task_id: fenceline_domain::ids::TaskId = created.body["task_id"].as_str().expect("id").parse().expect("uuid");
     // A scheduler-like publisher of status snapshots, newest first then a stale one.
-    let db = fenceline_store::connect(
-        &postgres(&database_url_of(&intake.pool).await, "publisher"),
-        "publisher",
-        &[&fenceline_bus::MIGRATOR],
-    )
-    .await
-    .expect("publisher schema");
-    let writer = fenceline_bus::OutboxWriter::new("publisher", intake.prefix.clone(), outbox_config().shards);
-    let shutdown = CancellationToken::new();
-    start_relay("publisher-relay", &db, &kafka(&intake.prefix), &writer, &shutdown);
+    let (db, writer, shutdown) = publisher(&intake).await;
     let mut running = status_event(task_id, 2);
     let mut stale = status_event(task_id, 1);
     if let (fenceline_events::Event::TaskStatus(r), fenceline_events::Event::TaskStatus(s)) = (&mut running, &mut stale)
@@ -287,6 +280,22 @@ async fn reads_follow_the_status_topic_and_never_go_backwards() {
         "the stale snapshot did not win"
     );
     shutdown.cancel();
+}
+
+/// A publisher of events on intake's topics, as another service would be: its own
+/// schema, outbox and relay (stopped by cancelling the token).
+async fn publisher(intake: &Intake) -> (fenceline_store::Database, fenceline_bus::OutboxWriter, CancellationToken) {
+    let db = fenceline_store::connect(
+        &postgres(&database_url_of(&intake.pool).await, "publisher"),
+        "publisher",
+        &[&fenceline_bus::MIGRATOR],
+    )
+    .await
+    .expect("publisher schema");
+    let writer = fenceline_bus::OutboxWriter::new("publisher", intake.prefix.clone(), outbox_config().shards);
+    let shutdown = CancellationToken::new();
+    start_relay("publisher-relay", &db, &kafka(&intake.prefix), &writer, &shutdown);
+    (db, writer, shutdown)
 }
 
 /// The URL of the database `pool` is connected to.
@@ -646,4 +655,167 @@ async fn an_input_that_fails_its_kinds_schema_is_refused_naming_where() {
     let good = call("POST", format!("{base}/v1/tasks"), Some(token), Some("k2"), Some(image("fine"))).await;
     assert_eq!(good.status, 202);
     assert_eq!(task_rows(&pool).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_shows_each_attempt_and_how_it_ended() {
+    use fenceline_domain::ids::GrantId;
+    use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
+    use fenceline_events::{
+        ArtifactRef, AttemptClaimed, AttemptFailed, AttemptLost, AttemptSucceeded, Event, RecoveryDecided, Timestamp,
+    };
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
+    let task_id: fenceline_domain::ids::TaskId = created.body["task_id"].as_str().expect("id").parse().expect("uuid");
+    let (db, writer, shutdown) = publisher(&intake).await;
+    let now = Timestamp::now();
+    let claimed = |attempt: i32, grant_id: GrantId| {
+        Event::AttemptClaimed(AttemptClaimed {
+            grant_id,
+            task_id,
+            attempt,
+            fencing_token: i64::from(attempt),
+            lease_expires_at: now,
+            worker: "w".into(),
+        })
+    };
+    let grants = [GrantId::new_v7(), GrantId::new_v7(), GrantId::new_v7()];
+    // The executor's reports, as it would publish them, and the reconciler's decision.
+    let attempts = [
+        claimed(1, grants[0]),
+        Event::AttemptFailed(AttemptFailed {
+            task_id,
+            attempt: 1,
+            grant_id: grants[0],
+            error_class: ErrorClass::Throttled,
+            message: "429 from imagegen".into(),
+            retry_after_ms: Some(1000),
+            money_may_have_been_spent: false,
+            failed_at: now,
+        }),
+        claimed(2, grants[1]),
+        Event::AttemptLost(AttemptLost {
+            task_id,
+            attempt: 2,
+            grant_id: grants[1],
+            last_phase: Phase::CallIntent,
+            last_phase_at: now,
+            step: Some("render".into()),
+            operation_key: Some("op".into()),
+            provider_request_id: None,
+            detected_at: now,
+        }),
+        claimed(3, grants[2]),
+        Event::AttemptSucceeded(AttemptSucceeded {
+            task_id,
+            attempt: 3,
+            grant_id: grants[2],
+            result: ArtifactRef { uri: "mem://r".into(), sha256: "ab".repeat(32), size_bytes: 3 },
+            finished_at: now,
+        }),
+    ];
+    write_outbox(&db.pool, &writer, topics::ATTEMPTS, &attempts, 10).await;
+    let decided = Event::RecoveryDecided(RecoveryDecided {
+        task_id,
+        attempt: 2,
+        decision: RecoveryDecision::RetrySafe,
+        case_id: None,
+        result: None,
+        evidence: vec![],
+        decided_at: now,
+    });
+    write_outbox(&db.pool, &writer, topics::RECOVERY, &[decided], 10).await;
+
+    let task_url = format!("{}/v1/tasks/{task_id}", intake.base);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let attempts = loop {
+        let read = call("GET", task_url.clone(), Some(intake.acme.clone()), None, None).await;
+        let attempts = read.body["attempts"].as_array().cloned().unwrap_or_default();
+        let done = attempts.len() == 3
+            && attempts[2]["outcome"] == "succeeded"
+            && attempts[1]["recovery"] == "retry_safe"
+            && attempts[1]["outcome"] == "lost";
+        if done {
+            break attempts;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "attempts never projected: {:?}", read.body);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let numbers: Vec<_> = attempts.iter().map(|a| a["attempt"].clone()).collect();
+    assert_eq!(numbers, [json!(1), json!(2), json!(3)], "oldest first");
+    assert_eq!(
+        (attempts[0]["outcome"].as_str(), attempts[0]["error_class"].as_str()),
+        (Some("failed"), Some("throttled"))
+    );
+    assert_eq!(attempts[0]["money_may_have_been_spent"], false);
+    assert!(attempts[1]["detail"].as_str().unwrap_or_default().contains("call_intent"), "{:?}", attempts[1]);
+    assert!(attempts.iter().all(|a| a["started_at"].is_string()), "every attempt was claimed: {attempts:?}");
+    // The list does not carry attempts; only the single read does.
+    let page = call("GET", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), None, None).await;
+    assert!(page.body["tasks"][0].get("attempts").is_none(), "{:?}", page.body);
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_odd_methods_and_unstorable_text_get_problems() {
+    let intake = start_intake().await;
+    let url = format!("{}/v1/tasks", intake.base);
+    let token = Some(intake.acme.clone());
+    let long_key = "k".repeat(256);
+    let answer = call("POST", url.clone(), token.clone(), Some(&long_key), Some(image("x"))).await;
+    assert_eq!((answer.status, answer.body["type"].as_str()), (400, Some("/problems/idempotency-key-invalid")));
+
+    let huge = "h".repeat(fenceline_intake::HEADER_VALUE_LIMIT + 1);
+    let answer = call("POST", url.clone(), token.clone(), Some(&huge), Some(image("x"))).await;
+    assert_eq!((answer.status, answer.content_type.as_str()), (431, "application/problem+json"));
+    assert_eq!(answer.body["type"], "/problems/header-too-large");
+
+    let answer = call("DELETE", url.clone(), token.clone(), None, None).await;
+    assert_eq!((answer.status, answer.body["type"].as_str()), (405, Some("/problems/method-not-allowed")));
+
+    for body in [
+        json!({"kind": "image.generate", "input": {"prompt": "nul\u{0}"}}),
+        json!({"kind": "image.generate", "input": {"a\u{0}": 1}}),
+        json!({"kind": "image.generate", "input": {}, "labels": {"k": "v\u{0}"}}),
+        json!({"kind": "image.generate", "input": "not an object"}),
+    ] {
+        let answer = call("POST", url.clone(), token.clone(), Some("nul"), Some(body.to_string())).await;
+        assert_eq!((answer.status, answer.body["type"].as_str()), (400, Some("/problems/invalid-request")), "{body}");
+    }
+    assert_eq!(task_rows(&intake.pool).await, 0);
+}
+
+/// schemathesis (PyPI) generates requests for every operation of the served
+/// document, valid and invalid, and checks each answer against it: no `5xx`, every
+/// status, header, media type and body as documented, invalid input refused, other
+/// methods answered `405`. Left out: `positive_data_acceptance`, which expects every
+/// schema-valid request to succeed; a reused Idempotency-Key (`422`) and a deadline
+/// before `not_before` (`400`) are valid JSON that the API must refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_keeps_to_its_openapi_document_under_schemathesis() {
+    let schemathesis = std::env::var("FENCELINE_SCHEMATHESIS")
+        .expect("FENCELINE_SCHEMATHESIS names the schemathesis command (deploy/local/stack test sets it)");
+    let intake = start_intake().await;
+    let document = call("GET", format!("{}/v1/openapi.json", intake.base), None, None, None).await;
+    assert_eq!(document.status, 200);
+    assert_eq!(document.body["openapi"], "3.1.0");
+    let examples = std::env::var("FENCELINE_SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "40".into());
+    let output = tokio::process::Command::new(schemathesis)
+        .args(["run", &format!("{}/v1/openapi.json", intake.base)])
+        .args(["--header", &format!("Authorization: Bearer {}", intake.acme)])
+        .args(["--checks", "all", "--exclude-checks", "positive_data_acceptance"])
+        .args(["--max-examples", &examples, "--workers", "2", "--no-color"])
+        .current_dir(std::env::temp_dir())
+        .output()
+        .await
+        .expect("schemathesis runs");
+    let report = String::from_utf8_lossy(&output.stdout);
+    eprintln!("{report}");
+    assert!(
+        output.status.success(),
+        "schemathesis found failures:\n{report}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(report.contains("passed"), "schemathesis tested something: {report}");
 }

@@ -16,8 +16,9 @@ use crate::problem::ApiError;
 
 /// The answer to every action: what was asked, and whether this request repeated
 /// an earlier one (then nothing new was sent).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ActionAccepted {
+    #[schema(value_type = String, format = Uuid)]
     pub task_id: TaskId,
     pub action: String,
     pub repeated: bool,
@@ -125,10 +126,11 @@ pub async fn signal(
 }
 
 /// The body of `POST /v1/tasks/{id}/resolution`.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Resolve {
     /// `retry_as_new`, `accept_failed` or `attach_result`.
+    #[schema(pattern = "^(retry_as_new|accept_failed|attach_result)$")]
     pub action: String,
     /// Must be `true` for `retry_as_new`: the new operation may be billed again.
     #[serde(default)]
@@ -138,11 +140,16 @@ pub struct Resolve {
     pub result: Option<AttachedResult>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// A result found elsewhere, for `attach_result`.
+#[derive(Debug, Clone, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AttachedResult {
+    #[schema(min_length = 1)]
     pub uri: String,
+    /// Lower-case hex.
+    #[schema(pattern = "^[0-9a-f]{64}$")]
     pub sha256: String,
+    #[schema(minimum = 0)]
     pub size_bytes: i64,
 }
 
@@ -168,6 +175,7 @@ pub async fn resolve(
         (ResolutionAction::AttachResult, Some(r)) => {
             let hex_ok =
                 r.sha256.len() == 64 && r.sha256.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
+            crate::tasks::storable("result.uri", &serde_json::Value::from(r.uri.as_str()))?;
             if !hex_ok || r.size_bytes < 0 || r.uri.is_empty() {
                 return Err(ApiError::InvalidRequest("result needs a uri, a lower-case hex sha256 and a size".into()));
             }

@@ -45,6 +45,11 @@ impl KindCatalog {
         Ok(Self { kinds: kinds.to_vec(), schemas })
     }
 
+    /// The kinds clients may submit.
+    pub fn kinds(&self) -> &[String] {
+        &self.kinds
+    }
+
     /// Refuses an unknown kind, and an input its kind's schema does not accept
     /// (naming where in the input the first problem is).
     pub fn check(&self, kind: &str, input: &serde_json::Value) -> Result<(), ApiError> {

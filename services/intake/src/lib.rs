@@ -4,6 +4,7 @@
 pub mod actions;
 pub mod auth;
 pub mod kinds;
+pub mod openapi;
 pub mod problem;
 pub mod tasks;
 pub mod upstream;
@@ -12,6 +13,9 @@ pub mod webhooks;
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::middleware::{Next, from_fn};
 use actix_web::{HttpRequest, HttpResponse, web};
 use fenceline_bus::OutboxWriter;
 use fenceline_config::ServiceConfig;
@@ -77,12 +81,19 @@ pub struct IntakeConfig {
     pub body_limit_bytes: usize,
 }
 
+/// The longest value of one request header, in bytes.
+pub const HEADER_VALUE_LIMIT: usize = 8 * 1024;
+/// The most bytes all of a request's headers may take together.
+pub const HEADERS_LIMIT: usize = 32 * 1024;
+
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]
 struct State {
     outbox: OutboxWriter,
     kinds: Arc<kinds::KindCatalog>,
     webhook_tolerance_seconds: i64,
+    /// The OpenAPI document, rendered once.
+    openapi: Arc<String>,
 }
 
 /// Builds intake: connects and migrates its schema, starts its outbox relay, its
@@ -97,22 +108,28 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
-        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds, webhook_tolerance_seconds });
+        let openapi = Arc::new(openapi::document(&kinds).to_string());
+        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds, webhook_tolerance_seconds, openapi });
         move |cfg: &mut web::ServiceConfig| {
-            cfg.app_data(pool.clone())
-                .app_data(state.clone())
-                .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
-                .app_data(web::PayloadConfig::new(body_limit))
-                .app_data(
-                    web::QueryConfig::default().error_handler(|e, _| ApiError::InvalidRequest(e.to_string()).into()),
-                )
-                .route("/v1/tasks", web::post().to(submit))
-                .route("/v1/tasks", web::get().to(list))
-                .route("/v1/tasks/{task_id}", web::get().to(read))
-                .route("/v1/tasks/{task_id}/cancel", web::post().to(cancel))
-                .route("/v1/tasks/{task_id}/signals/{name}", web::post().to(signal))
-                .route("/v1/tasks/{task_id}/resolution", web::post().to(resolve))
-                .route("/v1/webhooks/{source}", web::post().to(webhook));
+            cfg.service(
+                web::scope("/v1")
+                    .wrap(from_fn(header_limits))
+                    .app_data(pool.clone())
+                    .app_data(state.clone())
+                    .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
+                    .app_data(web::PayloadConfig::new(body_limit))
+                    .app_data(
+                        web::QueryConfig::default()
+                            .error_handler(|e, _| ApiError::InvalidRequest(e.to_string()).into()),
+                    )
+                    .service(resource("/openapi.json", "GET").route(web::get().to(openapi_document)))
+                    .service(resource("/tasks", "GET, POST").route(web::post().to(submit)).route(web::get().to(list)))
+                    .service(resource("/tasks/{task_id}", "GET").route(web::get().to(read)))
+                    .service(resource("/tasks/{task_id}/cancel", "POST").route(web::post().to(cancel)))
+                    .service(resource("/tasks/{task_id}/signals/{name}", "POST").route(web::post().to(signal)))
+                    .service(resource("/tasks/{task_id}/resolution", "POST").route(web::post().to(resolve)))
+                    .service(resource("/webhooks/{source}", "POST").route(web::post().to(webhook))),
+            );
         }
     })
     .await?;
@@ -120,6 +137,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
 
     app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection)?;
     app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection)?;
+    app.consume("attempts", &[fenceline_events::topics::ATTEMPTS], tasks::AttemptProjection)?;
     app.consume(
         "requests",
         &[fenceline_events::topics::INTAKE_REQUESTS],
@@ -144,6 +162,66 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     Ok(app)
 }
 
+/// A resource that answers `405` with `Allow: allow` to any other method.
+fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(move || async move { problem::method_not_allowed(allow) }))
+}
+
+/// Answers `431` (a problem) for a header value over [`HEADER_VALUE_LIMIT`] or headers
+/// over [`HEADERS_LIMIT`] in all, before any handler reads them.
+async fn header_limits(
+    request: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let mut total = 0;
+    for (name, value) in request.headers() {
+        let size = name.as_str().len() + value.len();
+        total += size;
+        let refused = if value.len() > HEADER_VALUE_LIMIT {
+            Some(format!("header {name} is {} bytes; the limit is {HEADER_VALUE_LIMIT}", value.len()))
+        } else if total > HEADERS_LIMIT {
+            Some(format!("the headers are over {HEADERS_LIMIT} bytes in all"))
+        } else {
+            None
+        };
+        if let Some(detail) = refused {
+            return Ok(request.into_response(problem::header_too_large(detail)).map_into_right_body());
+        }
+    }
+    next.call(request).await.map(ServiceResponse::map_into_left_body)
+}
+
+/// The OpenAPI document of this API.
+async fn openapi_document(state: web::Data<State>) -> HttpResponse {
+    HttpResponse::Ok().content_type("application/json").body(state.openapi.as_str().to_owned())
+}
+
+/// Submits a task, once per `Idempotency-Key`.
+///
+/// Answers at once, without waiting for any other service. The same key with the
+/// same request answers the first answer again (`Idempotent-Replayed: true`); with a
+/// different request, `422 idempotency-key-reused`. A concurrent request with the
+/// same key waits for the first to commit, then replays its answer (never `409`).
+#[utoipa::path(
+    post, path = "/v1/tasks", tag = "tasks",
+    params(
+        ("Idempotency-Key" = String, Header, description = "1 to 255 visible ASCII characters, scoped to the tenant",
+         min_length = 1, max_length = 255, pattern = "^[!-~]{1,255}$"),
+    ),
+    request_body(content = SubmitTask, content_type = "application/json"),
+    responses(
+        (status = 202, description = "Accepted (or replayed)", body = tasks::Accepted, headers(
+            ("Location" = String, description = "The task's status URL"),
+            ("Idempotent-Replayed" = String, description = "`true` when this answer repeats an earlier one"),
+        )),
+        (status = 400, description = "Malformed request or Idempotency-Key", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Unknown kind, input failing its schema, or a key reused for another request", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn submit(
     req: HttpRequest,
     caller: Caller,
@@ -187,6 +265,17 @@ fn who(caller: &Caller) -> String {
     format!("tenant:{}", caller.0.as_str())
 }
 
+/// Lists the caller's tasks, newest first, with filters and a stable cursor.
+#[utoipa::path(
+    get, path = "/v1/tasks", tag = "tasks",
+    params(tasks::ListQuery),
+    responses(
+        (status = 200, description = "One page", body = tasks::Page),
+        (status = 400, description = "A bad filter or cursor", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn list(
     caller: Caller,
     pool: web::Data<PgPool>,
@@ -195,10 +284,34 @@ async fn list(
     Ok(HttpResponse::Ok().json(tasks::list(&pool, &caller.0, query.into_inner()).await?))
 }
 
+/// Reads one task: its state and why, its attempts, its result, and for
+/// `outcome_unknown` the evidence and what each resolution would do. A task accepted
+/// but not yet scheduled reads as `queued`; another tenant's task is not found.
+#[utoipa::path(
+    get, path = "/v1/tasks/{task_id}", tag = "tasks",
+    params(("task_id" = String, Path, description = "The task's id")),
+    responses(
+        (status = 200, description = "The task", body = tasks::TaskView),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id(&path)?).await?))
 }
 
+/// Asks for the task to be cancelled: at once if it waits, cooperatively if it runs.
+#[utoipa::path(
+    post, path = "/v1/tasks/{task_id}/cancel", tag = "tasks",
+    params(("task_id" = String, Path, description = "The task's id")),
+    responses(
+        (status = 202, description = "Asked (`repeated` if asked before)", body = actions::ActionAccepted),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn cancel(
     caller: Caller,
     state: web::Data<State>,
@@ -209,6 +322,27 @@ async fn cancel(
     Ok(HttpResponse::Accepted().json(accepted))
 }
 
+/// Delivers a signal (such as an approval) to the task, once per `Idempotency-Key`
+/// or, without one, per payload.
+#[utoipa::path(
+    post, path = "/v1/tasks/{task_id}/signals/{name}", tag = "tasks",
+    params(
+        ("task_id" = String, Path, description = "The task's id"),
+        ("name" = String, Path, description = "The signal, such as `approve`",
+         pattern = "^[a-z0-9_.-]{1,64}$"),
+        ("Idempotency-Key" = Option<String>, Header, description = "The signal's identity",
+         min_length = 1, max_length = 255, pattern = "^[!-~]{1,255}$"),
+    ),
+    request_body(content = Option<Object>, content_type = "application/json", description = "An optional JSON payload"),
+    responses(
+        (status = 202, description = "Delivered (`repeated` if delivered before)", body = actions::ActionAccepted),
+        (status = 400, description = "A bad name, key or payload", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn signal(
     req: HttpRequest,
     caller: Caller,
@@ -223,17 +357,38 @@ async fn signal(
         Some(value) => Some(IdempotencyKey::parse(value.to_str().unwrap_or_default())?),
         None => None,
     };
-    // A signal may carry no body at all; a body that is there must be JSON.
+    // A signal may carry no body at all; a body that is there must be a JSON object.
     let payload = if body.iter().all(u8::is_ascii_whitespace) {
         serde_json::Value::Null
     } else {
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("signal payload: {e}")))?
     };
+    if !(payload.is_null() || payload.is_object()) {
+        return Err(ApiError::InvalidRequest("signal payload: must be a JSON object".into()));
+    }
+    tasks::storable("signal payload", &payload)?;
     let key = key.as_ref().map(IdempotencyKey::as_str);
     let accepted = actions::signal(&pool, &state.outbox, &caller.0, task_id(&raw_id)?, name, key, &payload).await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
 
+/// Resolves an `outcome_unknown` task: `retry_as_new` (needs
+/// `acknowledge_possible_charge: true`), `accept_failed` or `attach_result`.
+#[utoipa::path(
+    post, path = "/v1/tasks/{task_id}/resolution", tag = "tasks",
+    params(("task_id" = String, Path, description = "The task's id")),
+    request_body(content = actions::Resolve, content_type = "application/json"),
+    responses(
+        (status = 202, description = "Recorded (`repeated` if recorded before)", body = actions::ActionAccepted),
+        (status = 400, description = "A bad resolution", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is not in outcome_unknown", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn resolve(
     caller: Caller,
     state: web::Data<State>,
@@ -249,6 +404,27 @@ async fn resolve(
 /// A signed delivery from a configured source becomes a task, once per event id.
 /// Every refusal (unknown source, missing or stale timestamp, bad signature)
 /// answers 401 alike, so a prober learns nothing about which sources exist.
+#[utoipa::path(
+    post, path = "/v1/webhooks/{source}", tag = "webhooks", security(()),
+    params(
+        ("source" = String, Path, description = "The configured sender"),
+        ("Fenceline-Timestamp" = String, Header, description = "Unix seconds; within the tolerance of now"),
+        ("Fenceline-Signature" = String, Header, description = "`v1=` and the hex HMAC-SHA256 of `timestamp.body`"),
+        ("Fenceline-Event-Id" = String, Header, description = "The sender's event id; a redelivery makes no second task"),
+    ),
+    request_body(content = Object, content_type = "application/json", description = "The event: the task's input"),
+    responses(
+        (status = 202, description = "Accepted (or replayed)", body = tasks::Accepted, headers(
+            ("Location" = String, description = "The task's status URL"),
+            ("Idempotent-Replayed" = String, description = "`true` for a redelivery"),
+        )),
+        (status = 400, description = "No event id, or a body that is not a JSON object", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Unknown source, or a missing, bad or stale signature", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "The input fails the kind's schema", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn webhook(
     req: HttpRequest,
     state: web::Data<State>,

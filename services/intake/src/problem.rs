@@ -34,13 +34,19 @@ pub enum ApiError {
     Bus(#[from] fenceline_bus::Error),
 }
 
-#[derive(Debug, Serialize)]
-struct Problem<'a> {
+/// An error answer (RFC 9457), always `application/problem+json`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Problem {
+    /// Stable: clients branch on it, for example `/problems/idempotency-key-reused`.
     #[serde(rename = "type")]
-    problem_type: &'a str,
-    title: &'a str,
-    status: u16,
-    detail: String,
+    #[schema(value_type = String)]
+    pub problem_type: &'static str,
+    #[schema(value_type = String)]
+    pub title: &'static str,
+    /// The HTTP status, repeated.
+    pub status: u16,
+    /// What was wrong with this request, in words.
+    pub detail: String,
 }
 
 impl ApiError {
@@ -100,18 +106,7 @@ impl ResponseError for ApiError {
         if let ApiError::Bus(e) = self {
             tracing::error!(error = %e, "request failed writing its event");
         }
-        let status = self.status_code();
-        let mut response = HttpResponse::build(status);
-        response.content_type("application/problem+json");
-        if status == StatusCode::UNAUTHORIZED {
-            response.insert_header(("WWW-Authenticate", "Bearer"));
-        }
-        response.json(Problem {
-            problem_type: self.problem_type(),
-            title: self.title(),
-            status: status.as_u16(),
-            detail: self.to_string(),
-        })
+        answer(self.status_code(), self.problem_type(), self.title(), self.to_string())
     }
 }
 
@@ -126,16 +121,12 @@ pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::Htt
             return payload_too_large(format!("body is over the limit of {limit} bytes"));
         }
         JsonPayloadError::ContentType => {
-            return actix_web::error::InternalError::from_response(
-                "",
-                HttpResponse::UnsupportedMediaType().content_type("application/problem+json").json(Problem {
-                    problem_type: "/problems/unsupported-media-type",
-                    title: "Unsupported media type",
-                    status: 415,
-                    detail: "send application/json".into(),
-                }),
-            )
-            .into();
+            return answered(answer(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "/problems/unsupported-media-type",
+                "Unsupported media type",
+                "send application/json".into(),
+            ));
         }
         JsonPayloadError::Deserialize(e) => e.to_string(),
         other => other.to_string(),
@@ -144,14 +135,40 @@ pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::Htt
 }
 
 fn payload_too_large(detail: String) -> actix_web::Error {
-    actix_web::error::InternalError::from_response(
-        "",
-        HttpResponse::PayloadTooLarge().content_type("application/problem+json").json(Problem {
-            problem_type: "/problems/payload-too-large",
-            title: "Payload too large",
-            status: 413,
-            detail,
-        }),
-    )
-    .into()
+    answered(answer(StatusCode::PAYLOAD_TOO_LARGE, "/problems/payload-too-large", "Payload too large", detail))
+}
+
+/// A header over its limit (`431`, `/problems/header-too-large`).
+pub fn header_too_large(detail: String) -> HttpResponse {
+    answer(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "/problems/header-too-large", "Header too large", detail)
+}
+
+/// A method the resource does not take (`405`, with the `Allow` header).
+pub fn method_not_allowed(allow: &'static str) -> HttpResponse {
+    let mut response = answer(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "/problems/method-not-allowed",
+        "Method not allowed",
+        format!("this resource takes {allow}"),
+    );
+    response
+        .headers_mut()
+        .insert(actix_web::http::header::ALLOW, actix_web::http::header::HeaderValue::from_static(allow));
+    response
+}
+
+/// An error that is already its answer.
+fn answered(response: HttpResponse) -> actix_web::Error {
+    actix_web::error::InternalError::from_response("", response).into()
+}
+
+/// The one way a problem is written: its media type, its body, and for `401` the
+/// `WWW-Authenticate` challenge.
+fn answer(status: StatusCode, problem_type: &'static str, title: &'static str, detail: String) -> HttpResponse {
+    let mut response = HttpResponse::build(status);
+    response.content_type("application/problem+json");
+    if status == StatusCode::UNAUTHORIZED {
+        response.insert_header(("WWW-Authenticate", "Bearer"));
+    }
+    response.json(Problem { problem_type, title, status: status.as_u16(), detail })
 }

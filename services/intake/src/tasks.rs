@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::{Priority, TaskState};
+use fenceline_domain::vocabulary::{Priority, RecoveryDecision, TaskState};
 use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -18,17 +18,25 @@ use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
 
 /// The body of `POST /v1/tasks`.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitTask {
+    /// One of the kinds this intake is configured for.
     pub kind: String,
+    /// The task's input, a JSON object; checked against the kind's JSON Schema if it has one.
+    #[schema(value_type = Object)]
     pub input: serde_json::Value,
+    /// `high`, `normal` (the default) or `low`.
     #[serde(default)]
+    #[schema(value_type = Option<String>, pattern = "^(high|normal|low)$")]
     pub priority: Option<String>,
+    /// No attempt starts after this instant (RFC 3339).
     #[serde(default, with = "time::serde::rfc3339::option")]
     pub deadline: Option<OffsetDateTime>,
+    /// No attempt starts before this instant (RFC 3339).
     #[serde(default, with = "time::serde::rfc3339::option")]
     pub not_before: Option<OffsetDateTime>,
+    /// At most 32; keys 1 to 64 characters, values at most 256.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
 }
@@ -66,6 +74,12 @@ impl IdempotencyKey {
 impl SubmitTask {
     /// Checks the request against the configured kinds and its own rules.
     pub fn validate(self, kinds: &KindCatalog) -> Result<ValidTask, ApiError> {
+        if !self.input.is_object() {
+            return Err(ApiError::InvalidRequest("input: must be a JSON object".into()));
+        }
+        storable("kind", &serde_json::Value::from(self.kind.as_str()))?;
+        storable("input", &self.input)?;
+        storable("labels", &serde_json::json!(self.labels))?;
         kinds.check(&self.kind, &self.input)?;
         let priority = match self.priority.as_deref() {
             None => Priority::Normal,
@@ -94,6 +108,23 @@ impl SubmitTask {
     }
 }
 
+/// Refuses JSON that Postgres cannot store: text with a NUL character (`\u0000`)
+/// anywhere, in a key or a value.
+pub fn storable(what: &str, value: &serde_json::Value) -> Result<(), ApiError> {
+    fn has_nul(value: &serde_json::Value) -> bool {
+        match value {
+            serde_json::Value::String(s) => s.contains('\0'),
+            serde_json::Value::Array(items) => items.iter().any(has_nul),
+            serde_json::Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+            _ => false,
+        }
+    }
+    if has_nul(value) {
+        return Err(ApiError::InvalidRequest(format!("{what}: text may not contain the NUL character (\\u0000)")));
+    }
+    Ok(())
+}
+
 impl ValidTask {
     /// The fingerprint of the canonical request: the same request, however its JSON
     /// was spelled (key order, spacing), has the same fingerprint.
@@ -114,9 +145,11 @@ impl ValidTask {
 }
 
 /// What a submission answers, first time and on every replay.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct Accepted {
+    #[schema(value_type = String, format = Uuid)]
     pub task_id: TaskId,
+    /// Where to read the task: `/v1/tasks/{task_id}`.
     pub status_url: String,
 }
 
@@ -238,35 +271,96 @@ async fn insert_task(
 }
 
 /// What `GET /v1/tasks/{id}` shows.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct TaskView {
+    #[schema(value_type = String, format = Uuid)]
     pub task_id: TaskId,
     pub kind: String,
+    /// `queued`, `waiting`, `running`, `awaiting_approval`, `succeeded`, `failed`,
+    /// `cancelled`, `outcome_unknown` or `needs_human`.
     pub state: String,
+    /// Why the task is in its state, in words.
     pub reason: Option<String>,
+    /// The number of the latest attempt; 0 before the first.
     pub attempt: i32,
+    /// The step the latest attempt is at.
     pub step: Option<String>,
+    /// The call phase of that step.
     pub phase: Option<String>,
+    /// When waiting: when the next attempt may start.
     #[serde(with = "time::serde::rfc3339::option")]
     pub next_attempt_at: Option<OffsetDateTime>,
+    /// The verified result, once the task succeeded.
+    #[schema(value_type = Option<ResultRef>)]
     pub result: Option<serde_json::Value>,
     pub case_id: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     pub updated_at: OffsetDateTime,
+    /// Grows with every change the scheduler publishes.
     pub version: i64,
     /// For `outcome_unknown` (single reads only): the evidence and what each
     /// resolution would do.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub case: Option<CaseView>,
+    /// Single reads only: every attempt a worker took up, oldest first, with how it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<Vec<AttemptView>>,
+}
+
+/// A result that can be verified: where it is, its sha256 and its size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ResultRef {
+    pub uri: String,
+    /// Lower-case hex.
+    pub sha256: String,
+    pub size_bytes: i64,
+}
+
+/// One attempt as the executor reported it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+pub struct AttemptView {
+    pub attempt: i32,
+    /// `running`, `succeeded`, `failed`, `released` (handed back without a call:
+    /// busy, waiting for a signal, cancelled, shutting down) or `lost` (its worker
+    /// vanished; then `recovery` says what the evidence decided).
+    pub outcome: String,
+    /// For `failed`: the error class (DESIGN.md section 7).
+    pub error_class: Option<String>,
+    /// The failure's message, the release reason, or the phase a lost worker was last seen in.
+    pub detail: Option<String>,
+    /// For `failed`: whether the provider may have charged for it.
+    pub money_may_have_been_spent: Option<bool>,
+    /// For `lost`: the reconciler's decision (`recovered`, `retry_safe`, `outcome_unknown`).
+    pub recovery: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub started_at: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub ended_at: Option<OffsetDateTime>,
 }
 
 /// An `outcome_unknown` case as a person needs it to decide.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CaseView {
     pub case_id: String,
-    pub evidence: Vec<fenceline_events::Evidence>,
+    pub evidence: Vec<EvidenceView>,
     /// What each resolution of `POST /v1/tasks/{id}/resolution` would do.
     pub resolutions: BTreeMap<String, String>,
+}
+
+/// One observation the decision rests on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EvidenceView {
+    /// Who observed it: the executor's records, the provider's look-up, ...
+    pub source: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub observed_at: OffsetDateTime,
+    pub finding: String,
+}
+
+impl From<fenceline_events::Evidence> for EvidenceView {
+    fn from(e: fenceline_events::Evidence) -> Self {
+        EvidenceView { source: e.source, observed_at: e.observed_at.to_datetime(), finding: e.finding }
+    }
 }
 
 impl CaseView {
@@ -325,6 +419,7 @@ impl From<Row> for TaskView {
             updated_at: row.updated_at.unwrap_or(row.accepted_at),
             version: row.version.unwrap_or(0),
             case: None,
+            attempts: None,
         }
     }
 }
@@ -346,10 +441,19 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
                 .await?;
         view.case = case.map(|(case_id, evidence)| CaseView {
             case_id,
-            evidence: evidence.0,
+            evidence: evidence.0.into_iter().map(EvidenceView::from).collect(),
             resolutions: CaseView::resolutions(),
         });
     }
+    view.attempts = Some(
+        sqlx::query_as(
+            "SELECT attempt, outcome, error_class, detail, money_may_have_been_spent, recovery, started_at, ended_at \
+             FROM task_attempts WHERE task_id = $1 ORDER BY attempt",
+        )
+        .bind(task_id.as_uuid())
+        .fetch_all(pool)
+        .await?,
+    );
     Ok(view)
 }
 
@@ -363,6 +467,19 @@ impl Handler for CaseProjection {
         let Event::RecoveryDecided(decided) = &record.envelope.event else {
             return Ok(());
         };
+        // A decision about an attempt whose outcome was in doubt belongs on that attempt
+        // (the attempt's own event may arrive later, on another topic).
+        if decided.decision != RecoveryDecision::ReissueGrant {
+            sqlx::query(
+                "INSERT INTO task_attempts (task_id, attempt, outcome, recovery) VALUES ($1, $2, 'lost', $3) \
+                 ON CONFLICT (task_id, attempt) DO UPDATE SET recovery = EXCLUDED.recovery",
+            )
+            .bind(decided.task_id.as_uuid())
+            .bind(decided.attempt)
+            .bind(decided.decision.as_str())
+            .execute(&mut *tx)
+            .await?;
+        }
         let Some(case_id) = decided.case_id.as_ref().filter(|_| decided.decision.as_str() == "outcome_unknown") else {
             return Ok(());
         };
@@ -375,6 +492,72 @@ impl Handler for CaseProjection {
         .bind(case_id)
         .bind(sqlx::types::Json(&decided.evidence))
         .bind(decided.decided_at.to_datetime())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Projects the executor's reports on `fenceline.attempts` into `task_attempts`:
+/// when each attempt was taken up and how it ended.
+#[derive(Debug, Clone, Default)]
+pub struct AttemptProjection;
+
+impl Handler for AttemptProjection {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let at = record.envelope.headers.produced_at.to_datetime();
+        let (task_id, attempt, outcome, error_class, detail, money, ended_at) = match &record.envelope.event {
+            Event::AttemptClaimed(e) => {
+                sqlx::query(
+                    "INSERT INTO task_attempts (task_id, attempt, outcome, started_at) VALUES ($1, $2, 'running', $3) \
+                     ON CONFLICT (task_id, attempt) DO UPDATE SET started_at = \
+                     coalesce(least(task_attempts.started_at, EXCLUDED.started_at), EXCLUDED.started_at)",
+                )
+                .bind(e.task_id.as_uuid())
+                .bind(e.attempt)
+                .bind(at)
+                .execute(&mut *tx)
+                .await?;
+                return Ok(());
+            }
+            Event::AttemptSucceeded(e) => (e.task_id, e.attempt, "succeeded", None, None, None, e.finished_at),
+            Event::AttemptFailed(e) => (
+                e.task_id,
+                e.attempt,
+                "failed",
+                Some(e.error_class.as_str()),
+                Some(e.message.clone()),
+                Some(e.money_may_have_been_spent),
+                e.failed_at,
+            ),
+            Event::AttemptReleased(e) => {
+                (e.task_id, e.attempt, "released", None, Some(e.reason.as_str().to_owned()), None, e.released_at)
+            }
+            Event::AttemptLost(e) => (
+                e.task_id,
+                e.attempt,
+                "lost",
+                None,
+                Some(format!("worker last seen after `{}`", e.last_phase.as_str())),
+                None,
+                e.detected_at,
+            ),
+            _ => return Ok(()),
+        };
+        sqlx::query(
+            "INSERT INTO task_attempts (task_id, attempt, outcome, error_class, detail, money_may_have_been_spent, \
+             ended_at) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (task_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, \
+             error_class = EXCLUDED.error_class, detail = EXCLUDED.detail, \
+             money_may_have_been_spent = EXCLUDED.money_may_have_been_spent, ended_at = EXCLUDED.ended_at",
+        )
+        .bind(task_id.as_uuid())
+        .bind(attempt)
+        .bind(outcome)
+        .bind(error_class)
+        .bind(detail)
+        .bind(money)
+        .bind(ended_at.to_datetime())
         .execute(&mut *tx)
         .await?;
         Ok(())
@@ -484,10 +667,13 @@ mod tests {
 }
 
 /// Filters of `GET /v1/tasks`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only tasks in this state.
     pub state: Option<String>,
+    /// Only tasks of this kind.
     pub kind: Option<String>,
     /// `key:value`, a label the task carries.
     pub label: Option<String>,
@@ -498,13 +684,14 @@ pub struct ListQuery {
     #[serde(default, with = "time::serde::rfc3339::option")]
     pub until: Option<OffsetDateTime>,
     /// Page size, 1 to 200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
 }
 
 /// One page of tasks, newest first.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Page {
     pub tasks: Vec<TaskView>,
     /// Pass as `cursor` for the next page; absent on the last one.

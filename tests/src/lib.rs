@@ -73,7 +73,7 @@ pub fn kafka(prefix: &str) -> KafkaConfig {
 }
 
 pub fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168 }
+    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168, stall_after_ms: 10_000 }
 }
 
 /// The settings every service shares, for a service under test on port 0.
@@ -268,6 +268,32 @@ pub fn read_topic(brokers: &str, topic: &str, expected: usize, timeout: Duration
     while out.len() < expected && std::time::Instant::now() < deadline {
         if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
             out.push(message.detach());
+        }
+    }
+    out
+}
+
+/// Every record of `topic` from the beginning, read until none arrived for `quiet`
+/// (or `limit` passed).
+pub fn read_until_quiet(brokers: &str, topic: &str, quiet: Duration, limit: Duration) -> Vec<OwnedMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("reader-{}", uuid::Uuid::now_v7().simple()))
+        .set("enable.auto.commit", "false")
+        .set("broker.address.family", "v4")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for partition in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, partition, Offset::Beginning).expect("partition");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let (started, mut last) = (std::time::Instant::now(), std::time::Instant::now());
+    let mut out = Vec::new();
+    while last.elapsed() < quiet && started.elapsed() < limit {
+        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) {
+            out.push(message.detach());
+            last = std::time::Instant::now();
         }
     }
     out

@@ -66,6 +66,11 @@ impl Proc {
         None
     }
 
+    /// Whether the process is still running (it may have crashed or exited).
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

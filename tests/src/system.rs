@@ -127,6 +127,8 @@ pub struct System {
     pub pool: sqlx::PgPool,
     pub providers: HashMap<String, FakeProvider>,
     pub services: HashMap<String, Proc>,
+    /// Service processes that were replaced by a restart, kept for their log lines.
+    pub retired: Vec<(String, Proc)>,
     /// Where each service process listens.
     pub urls: HashMap<String, String>,
     /// Settings every service process gets (short leases and timeouts for tests).
@@ -208,6 +210,7 @@ impl System {
             ("FENCELINE_TOPIC_PREFIX", prefix.clone()),
             ("FENCELINE_CATALOG", catalog_path.display().to_string()),
             ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
+            ("FENCELINE_CONSUMER_STALL_AFTER_MS", "10000".into()),
             ("FENCELINE_SHUTDOWN_GRACE_MS", "3000".into()),
             ("FENCELINE_OUTBOX_IDLE_POLL_MS", "100".into()),
             ("FENCELINE_EXECUTOR_LEASE_MS", "2000".into()),
@@ -228,6 +231,7 @@ impl System {
             pool,
             providers: running,
             services: HashMap::new(),
+            retired: Vec::new(),
             urls: HashMap::new(),
             env,
             broker,
@@ -245,17 +249,32 @@ impl System {
         std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
     }
 
+    /// Replaces the catalogue's kinds (before the services start).
+    pub fn set_kinds(&self, kinds: Value) {
+        let mut catalog: Value =
+            serde_json::from_slice(&std::fs::read(&self.catalog).expect("catalogue")).expect("catalogue JSON");
+        catalog["kinds"] = kinds;
+        std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
+    }
+
     pub fn provider(&self, name: &str) -> &FakeProvider {
         self.providers.get(name).unwrap_or_else(|| panic!("no provider {name}"))
     }
 
     /// Starts (or restarts) the service process `id` running `service`, with the
     /// system's settings and `extra` (for example `FAILPOINTS`), and waits until ready.
+    /// A restarted service listens where it listened before, as behind a fixed address.
     pub async fn spawn(&mut self, id: &str, service: &str, extra: &[(&'static str, String)]) {
         if let Some(mut old) = self.services.remove(id) {
             old.kill();
+            self.retired.push((id.to_owned(), old));
         }
-        let port = free_port();
+        let port = self
+            .urls
+            .get(id)
+            .and_then(|url| url.rsplit(':').next())
+            .and_then(|port| port.parse().ok())
+            .unwrap_or_else(free_port);
         let mut env = self.env.clone();
         env.push(("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")));
         env.extend(extra.iter().cloned());
@@ -432,6 +451,14 @@ impl System {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// How many log lines of every service process so far, running or replaced,
+    /// contain `needle`.
+    pub fn count_lines(&self, needle: &str) -> usize {
+        let running = self.services.values();
+        let retired = self.retired.iter().map(|(_, proc)| proc);
+        running.chain(retired).map(|proc| proc.lines_with(needle).len()).sum()
     }
 
     /// Every service's log lines with a warning or an error, for failure messages.

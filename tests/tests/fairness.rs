@@ -29,9 +29,8 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
     system.provider("img").rule(json!({"latency_ms": 300})).await;
     system.spawn_all(None).await;
 
-    // The figure is 5,000; `FENCELINE_FAIRNESS_BACKLOG` sets it (docs/broker.md
-    // explains why the default run on the local broker uses fewer).
-    let backlog: usize = std::env::var("FENCELINE_FAIRNESS_BACKLOG").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000);
+    // `FENCELINE_FAIRNESS_BACKLOG` sets the backlog (5,000 by default).
+    let backlog: usize = std::env::var("FENCELINE_FAIRNESS_BACKLOG").ok().and_then(|v| v.parse().ok()).unwrap_or(5_000);
     let started = Instant::now();
     system.submit_many("tenant-a", "image.generate", backlog).await;
     let deadline = Instant::now() + Duration::from_secs(540);

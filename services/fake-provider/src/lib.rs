@@ -79,6 +79,8 @@ pub struct Call {
     pub seq: u64,
     pub operation: String,
     pub operation_key: Option<String>,
+    /// The input the call carried, as received.
+    pub input: serde_json::Value,
     pub request_id: Option<String>,
     pub charged: bool,
     /// What was answered: `succeeded`, `accepted`, `replayed`, `status:429`, `hang`, `dropped`.
@@ -210,6 +212,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
             seq,
             operation: start.operation.clone(),
             operation_key: key.clone(),
+            input: start.input.clone(),
             request_id,
             charged,
             outcome: outcome.to_owned(),

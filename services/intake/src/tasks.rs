@@ -176,6 +176,8 @@ pub async fn submit(
     let mut tx = pool.begin().await?;
     let submitted = submit_in(&mut tx, outbox, tenant, key, task, source).await?;
     tx.commit().await?;
+    // The task is accepted; the client has not heard so (a crash here loses only the answer).
+    let _ = fenceline_bus::faults::drops("intake.after_accept_commit");
     if matches!(submitted, Submitted::Created(_)) {
         outbox.committed();
     }

@@ -134,6 +134,8 @@ impl Reconciler {
         let (answer, mut found) = match (provider, case.operation_key.as_deref()) {
             (Some(provider), Some(key)) => {
                 let lookup = provider.lookup(key).await;
+                // The provider answered; nothing of its answer is saved yet.
+                let _ = fenceline_bus::faults::drops("reconciler.after_lookup_answer");
                 self.judge(provider, lookup).await
             }
             _ => (Judged::NoAnswer, evidence("reconciler", "no provider or operation key to ask with")),

@@ -16,7 +16,7 @@
 //! database while the async side keeps handling.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -179,6 +179,17 @@ impl ConsumerHandle {
 
 /// Partitions this instance holds, with the epoch it holds them under.
 type Ownership = Arc<Mutex<HashMap<(String, i32), i64>>>;
+
+/// A record and the epoch its partition was held under when it was fetched. A
+/// record fetched under an earlier holding is never applied: after a revocation
+/// and a reassignment the partition is read again from the stored progress, and
+/// applying records queued from the earlier holding first would move the progress
+/// past records that were dropped in between (they would then be skipped as
+/// redelivered, that is lost).
+struct Fetched {
+    epoch: i64,
+    message: OwnedMessage,
+}
 
 struct FencedContext {
     runtime: Handle,
@@ -344,14 +355,30 @@ impl FencedConsumer {
 
         // Room for a few batches: enough to keep the processor busy, small enough
         // that a revoked partition's queued records are few.
-        let (tx, rx) = mpsc::channel::<OwnedMessage>(config.batch_max.saturating_mul(2).max(16));
+        let (tx, rx) = mpsc::channel::<Fetched>(config.batch_max.saturating_mul(2).max(16));
+        let rejoin = Arc::new(AtomicBool::new(false));
+        if let Some(after) = config.stall_after() {
+            let owned = owned.clone();
+            tokio::spawn(crate::stall::watch(
+                consumer.clone(),
+                pool.clone(),
+                spec.group.clone(),
+                spec.topics.clone(),
+                Arc::new(move |partition: &(String, i32)| lock(&owned).contains_key(partition)),
+                after,
+                rejoin.clone(),
+                shutdown.clone(),
+            ));
+        }
         let poller = {
             let consumer = consumer.clone();
             let shutdown = shutdown.clone();
             let group = spec.group.clone();
+            let owned = owned.clone();
+            let topics = spec.topics.clone();
             std::thread::Builder::new()
                 .name(format!("poll-{group}"))
-                .spawn(move || poll_loop(&consumer, &tx, &shutdown, &group))
+                .spawn(move || poll_loop(&consumer, &owned, &tx, &rejoin, &topics, &shutdown, &group))
                 .map_err(|e| Error::Kafka(KafkaError::Subscription(e.to_string())))?
         };
         let processor = Processor {
@@ -376,15 +403,35 @@ impl FencedConsumer {
 /// Polls without ever blocking on the processor: when its queue is full the
 /// assigned partitions are paused (and resumed once there is room), so rebalance
 /// callbacks and group membership are served however slow a batch is.
+///
+/// The wanted state is applied to the whole assignment again whenever the
+/// assignment changes: librdkafka keeps an application's pause on a partition
+/// across its revocation and reassignment (only its own pause is reset), so a
+/// partition paused, revoked and assigned back would otherwise never be fetched
+/// again.
+#[allow(clippy::too_many_arguments)] // the poller's parts, each needed once
 fn poll_loop(
     consumer: &BaseConsumer<FencedContext>,
-    tx: &mpsc::Sender<OwnedMessage>,
+    owned: &Ownership,
+    tx: &mpsc::Sender<Fetched>,
+    rejoin: &AtomicBool,
+    topics: &[String],
     shutdown: &CancellationToken,
     group: &str,
 ) {
-    let mut pending: VecDeque<OwnedMessage> = VecDeque::new();
-    let mut paused = false;
+    let mut pending: VecDeque<Fetched> = VecDeque::new();
+    // The pause state last applied, and to which partitions.
+    let mut applied: Option<(bool, Vec<(String, i32)>)> = None;
     while !shutdown.is_cancelled() {
+        if rejoin.swap(false, Ordering::SeqCst) {
+            // Leaving and joining again starts a rebalance of the whole group.
+            consumer.unsubscribe();
+            let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+            if let Err(e) = consumer.subscribe(&topic_refs) {
+                error!(group, error = %e, "subscribing again failed");
+            }
+            applied = None;
+        }
         while let Some(message) = pending.pop_front() {
             match tx.try_send(message) {
                 Ok(()) => {}
@@ -396,19 +443,35 @@ fn poll_loop(
             }
         }
         let want_paused = !pending.is_empty();
-        if want_paused != paused {
-            if let Ok(assignment) = consumer.assignment() {
+        if let Ok(assignment) = consumer.assignment() {
+            let partitions: Vec<(String, i32)> =
+                assignment.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
+            let stale =
+                applied.as_ref().is_none_or(|(was_paused, was)| *was_paused != want_paused || *was != partitions);
+            if stale {
                 let result = if want_paused { consumer.pause(&assignment) } else { consumer.resume(&assignment) };
-                if let Err(e) = result {
-                    debug!(group, error = %e, "pause/resume failed");
+                match result {
+                    Ok(()) => applied = Some((want_paused, partitions)),
+                    Err(e) => debug!(group, error = %e, "pause/resume failed"),
                 }
             }
-            paused = want_paused;
         }
         let wait = if pending.is_empty() { Duration::from_millis(100) } else { Duration::from_millis(10) };
         match consumer.poll(wait) {
             None => {}
-            Some(Ok(message)) => pending.push_back(message.detach()),
+            Some(Ok(message)) => {
+                // Rebalance callbacks run inside poll, so the holding is current here.
+                let held = lock(owned).get(&(message.topic().to_owned(), message.partition())).copied();
+                match held {
+                    Some(epoch) => pending.push_back(Fetched { epoch, message: message.detach() }),
+                    None => debug!(
+                        group,
+                        topic = message.topic(),
+                        partition = message.partition(),
+                        "record of a partition not held dropped"
+                    ),
+                }
+            }
             Some(Err(e)) => warn!(group, error = %e, "consumer error"),
         }
     }
@@ -446,7 +509,7 @@ struct Applied {
 }
 
 impl<H: Handler> Processor<H> {
-    async fn run(self, mut rx: mpsc::Receiver<OwnedMessage>, shutdown: CancellationToken) {
+    async fn run(self, mut rx: mpsc::Receiver<Fetched>, shutdown: CancellationToken) {
         let mut purge = tokio::time::interval(DEDUP_PURGE_EVERY);
         loop {
             let first = tokio::select! {
@@ -500,12 +563,20 @@ impl<H: Handler> Processor<H> {
 
     /// Retries a batch that failed for a transient reason until it is applied,
     /// fenced, or the service shuts down (then the records are redelivered later).
-    async fn handle_until_done(&self, batch: Vec<OwnedMessage>, shutdown: &CancellationToken) {
+    async fn handle_until_done(&self, batch: Vec<Fetched>, shutdown: &CancellationToken) {
         let mut backoff = Duration::from_millis(50);
         loop {
             let owned = lock(&self.owned).clone();
-            let mine: Vec<&OwnedMessage> =
-                batch.iter().filter(|m| owned.contains_key(&(m.topic().to_owned(), m.partition()))).collect();
+            // Only records fetched under the holding that is current now.
+            let mine: Vec<&OwnedMessage> = batch
+                .iter()
+                .filter(|f| owned.get(&(f.message.topic().to_owned(), f.message.partition())) == Some(&f.epoch))
+                .map(|f| &f.message)
+                .collect();
+            let stale = batch.len() - mine.len();
+            if stale > 0 {
+                debug!(stale, "records fetched under an earlier holding dropped; they are read again");
+            }
             if mine.is_empty() {
                 return;
             }
@@ -575,6 +646,9 @@ impl<H: Handler> Processor<H> {
                 }
                 BatchPlan::Apply { apply, redelivered, next_offset } => {
                     self.stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);
+                    if redelivered > 0 {
+                        info!(topic, partition, redelivered, "records redelivered after a restart skipped by offset");
+                    }
                     let to_apply: Vec<&OwnedMessage> = apply.iter().map(|&i| messages[i]).collect();
                     self.apply_records(&mut tx, &topic, partition, &to_apply).await?;
                     if !to_apply.is_empty() {
@@ -635,6 +709,7 @@ impl<H: Handler> Processor<H> {
             let id = envelope.headers.event_id.as_uuid();
             if !fresh.contains(&id) || !seen.insert(id) {
                 self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                info!(topic, partition, event_id = %id, "duplicate event skipped: applied before");
                 continue;
             }
             let inbound = Inbound {

@@ -106,11 +106,28 @@ pub struct ConsumerConfig {
         default_value_t = 168
     )]
     pub dedup_retention_hours: u32,
+
+    /// A partition of the group's topics that no instance advanced for this long
+    /// while records wait on it makes the instance rejoin its group, so the
+    /// coordinator assigns every partition again; 0 turns the watch off. Keep it
+    /// well above the longest batch.
+    #[arg(
+        id = "consumer_stall_after_ms",
+        long = "consumer-stall-after-ms",
+        env = "FENCELINE_CONSUMER_STALL_AFTER_MS",
+        default_value_t = 30_000
+    )]
+    pub stall_after_ms: u64,
 }
 
 impl ConsumerConfig {
     pub fn batch_wait(&self) -> Duration {
         Duration::from_millis(self.batch_wait_ms)
+    }
+
+    /// The stall watch's threshold; None when it is off.
+    pub fn stall_after(&self) -> Option<Duration> {
+        (self.stall_after_ms > 0).then(|| Duration::from_millis(self.stall_after_ms))
     }
 }
 

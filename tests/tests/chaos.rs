@@ -1,0 +1,559 @@
+//! The whole system under faults. Intake, two schedulers, two executors and the
+//! reconciler run as processes against four fake providers with different
+//! capabilities and scripted misbehaviour (latency, 429, 5xx, hangs, dropped
+//! answers). While 1,000 tasks arrive through intake's API (some submitted twice),
+//! every service is SIGKILLed at random moments or crashed at a named fault point,
+//! the broker is restarted once and Postgres once. When the faults stop, the run
+//! waits for the system to drain and judges it by the providers' own logs.
+//!
+//! Each run prints its seed; `FENCELINE_CHAOS_SEED=<seed>` replays the same choices
+//! (the timing of the machine is not replayed). `FENCELINE_CHAOS_SOAK=1` runs longer
+//! with more tasks; `FENCELINE_CHAOS_TASKS` and `FENCELINE_CHAOS_SECONDS` set them.
+
+#![allow(clippy::print_stdout)] // the figures of the run are the point of this test
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use fenceline_domain::ids::TaskId;
+use fenceline_events::{Event, topics};
+use fenceline_tests::system::{Caps, System};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+/// The service processes: (id, service).
+const SERVICES: &[(&str, &str)] = &[
+    ("intake", "intake"),
+    ("scheduler-a", "scheduler"),
+    ("scheduler-b", "scheduler"),
+    ("executor-a", "executor"),
+    ("executor-b", "executor"),
+    ("reconciler", "reconciler"),
+];
+
+/// Kinds, the provider of their paid step, and how often they are submitted.
+const KINDS: &[(&str, &str, &str, u32)] = &[
+    ("image.generate", "render", "imagegen", 40),
+    ("image.sketch", "sketch", "sketcher", 25),
+    ("ticket.reply", "draft", "llm", 30),
+    ("ticket.triage", "classify", "llm", 5),
+];
+
+const TENANTS: &[&str] = &["acme", "globex", "initech"];
+
+/// States a task may end the run in.
+const SETTLED: &[&str] = &["succeeded", "failed", "cancelled", "needs_human", "outcome_unknown", "awaiting_approval"];
+
+/// The named places a service can be crashed at.
+fn fault_points(service: &str) -> &'static [&'static str] {
+    match service {
+        "executor" => &[
+            "executor.before_call_intent",
+            "executor.after_call_intent",
+            "executor.after_provider_answer",
+            "executor.after_result_recorded",
+            "consumer.after_db_commit",
+            "outbox.after_publish_before_mark",
+        ],
+        "scheduler" => &[
+            "scheduler.after_grant_commit",
+            "consumer.before_db_commit",
+            "consumer.after_db_commit",
+            "outbox.after_publish_before_mark",
+        ],
+        "intake" => &["intake.after_accept_commit", "consumer.after_db_commit", "outbox.after_publish_before_mark"],
+        _ => &["reconciler.after_lookup_answer", "consumer.after_db_commit", "outbox.after_publish_before_mark"],
+    }
+}
+
+/// What this run does, from the environment.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    seed: u64,
+    tasks: usize,
+    chaos: Duration,
+    drain: Duration,
+}
+
+impl Plan {
+    fn from_env() -> Self {
+        let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+        let soak = std::env::var("FENCELINE_CHAOS_SOAK").is_ok_and(|v| v == "1");
+        let seed = var("FENCELINE_CHAOS_SEED").unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
+        });
+        let tasks = var("FENCELINE_CHAOS_TASKS").unwrap_or(if soak { 5_000 } else { 1_000 }) as usize;
+        let chaos = Duration::from_secs(var("FENCELINE_CHAOS_SECONDS").unwrap_or(if soak { 900 } else { 90 }));
+        let drain = Duration::from_secs(if soak { 1_200 } else { 600 });
+        Plan { seed, tasks, chaos, drain }
+    }
+}
+
+/// Everything the run counts.
+#[derive(Debug, Default)]
+struct Figures {
+    resubmitted: usize,
+    replayed: usize,
+    submit_retries: usize,
+    kills: BTreeMap<String, usize>,
+    crashes: BTreeMap<String, usize>,
+    died_on_their_own: usize,
+    broker_restarts: usize,
+    postgres_restarts: usize,
+}
+
+/// One submission through intake's API: (status, replayed, task id).
+fn submit(intake: &str, token: &str, key: &str, body: &Value) -> Result<(u16, bool, Option<String>), String> {
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .new_agent();
+    let mut response = agent
+        .post(&format!("{intake}/v1/tasks"))
+        .header("Authorization", &format!("Bearer {token}"))
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .map_err(|e| e.to_string())?;
+    let replayed = response.headers().get("Idempotent-Replayed").is_some_and(|v| v == "true");
+    let status = response.status().as_u16();
+    let answer: Value =
+        serde_json::from_str(&response.body_mut().read_to_string().unwrap_or_default()).unwrap_or(Value::Null);
+    Ok((status, replayed, answer["task_id"].as_str().map(str::to_owned)))
+}
+
+/// The client: submits every task with its idempotency key, retrying the same key
+/// until intake answers (it may be down), and sends some a second time.
+/// Returns the accepted task ids by task number, and the figures.
+async fn client(intake: String, tokens: Vec<String>, plan: Plan) -> (HashMap<usize, String>, Figures) {
+    tokio::task::spawn_blocking(move || {
+        let mut rng = StdRng::seed_from_u64(plan.seed ^ 0x5eed);
+        let mut accepted = HashMap::new();
+        let mut figures = Figures::default();
+        let total: u32 = KINDS.iter().map(|k| k.3).sum();
+        // Spread over most of the chaos window.
+        let pace = plan.chaos.mul_f64(0.6).div_f64(plan.tasks as f64);
+        for n in 0..plan.tasks {
+            let mut pick = rng.random_range(0..total);
+            let mut kind = KINDS[0].0;
+            for (name, _, _, weight) in KINDS {
+                if pick < *weight {
+                    kind = name;
+                    break;
+                }
+                pick -= weight;
+            }
+            let tenant = rng.random_range(0..TENANTS.len());
+            let body = json!({"kind": kind, "input": {"n": n, "prompt": format!("item {n}")}});
+            let key = format!("chaos-{n}");
+            let sends = if rng.random_bool(0.05) { 2 } else { 1 };
+            for send in 0..sends {
+                let started = Instant::now();
+                loop {
+                    match submit(&intake, &tokens[tenant], &key, &body) {
+                        Ok((202, replayed, Some(id))) => {
+                            if let Some(first) = accepted.insert(n, id.clone()) {
+                                assert_eq!(first, id, "the same key answered two task ids");
+                            }
+                            figures.replayed += usize::from(replayed);
+                            break;
+                        }
+                        Ok((status, _, _)) if status < 500 => panic!("submission {n} refused with {status}"),
+                        _ => {
+                            figures.submit_retries += 1;
+                            assert!(started.elapsed() < Duration::from_secs(180), "intake never took task {n}");
+                            std::thread::sleep(Duration::from_millis(250));
+                        }
+                    }
+                }
+                if send == 1 {
+                    figures.resubmitted += 1;
+                }
+            }
+            std::thread::sleep(pace);
+        }
+        (accepted, figures)
+    })
+    .await
+    .expect("client thread")
+}
+
+/// Restarts Postgres as a crash would (`-m immediate`: no shutdown checkpoint,
+/// recovery on start). Needs the cluster's folder, which the test command names.
+fn restart_postgres() {
+    let data =
+        std::env::var("FENCELINE_TEST_PG_DATA").expect("FENCELINE_TEST_PG_DATA (deploy/local/stack test sets it)");
+    let bin = std::env::var("FENCELINE_PG_BIN").expect("FENCELINE_PG_BIN (deploy/local/stack test sets it)");
+    let pg_ctl = format!("{bin}/pg_ctl");
+    let args = ["-D", data.as_str(), "-m", "immediate", "-w", "-t", "60", "restart"];
+    let mut command = if running_as_root() {
+        let mut c = std::process::Command::new("runuser");
+        c.args(["-u", "postgres", "--", pg_ctl.as_str()]).args(args);
+        c
+    } else {
+        let mut c = std::process::Command::new(&pg_ctl);
+        c.args(args);
+        c
+    };
+    let status = command.stdout(std::process::Stdio::null()).status().expect("pg_ctl runs");
+    assert!(status.success(), "pg_ctl restart failed: {status}");
+}
+
+fn running_as_root() -> bool {
+    std::process::Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// The services' environment beyond the system's.
+fn extra(service: &str) -> Vec<(&'static str, String)> {
+    match service {
+        "intake" => vec![("FENCELINE_INTAKE_KINDS", KINDS.iter().map(|k| k.0).collect::<Vec<_>>().join(","))],
+        _ => vec![],
+    }
+}
+
+/// Restarts any service that is not running (one that died on its own).
+async fn revive(system: &mut System, figures: &mut Figures) {
+    for (id, service) in SERVICES {
+        if !system.service(id).running() {
+            figures.died_on_their_own += 1;
+            system.spawn(id, service, &extra(service)).await;
+        }
+    }
+}
+
+/// One chaos action on a random service: a SIGKILL and a restart after a pause, or
+/// a restart with a named fault point armed that crashes it when reached.
+async fn strike(system: &mut System, rng: &mut StdRng, figures: &mut Figures) {
+    let (id, service) = SERVICES[rng.random_range(0..SERVICES.len())];
+    if rng.random_bool(0.5) {
+        system.service(id).kill();
+        *figures.kills.entry(id.to_owned()).or_default() += 1;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_500))).await;
+        system.spawn(id, service, &extra(service)).await;
+        return;
+    }
+    let points = fault_points(service);
+    let point = points[rng.random_range(0..points.len())];
+    let mut env = extra(service);
+    env.push(("FAILPOINTS", format!("{point}=return(crash)")));
+    system.spawn(id, service, &env).await;
+    if system.service(id).wait_exit(Duration::from_secs(15)).await.is_some() {
+        *figures.crashes.entry(format!("{id} at {point}")).or_default() += 1;
+    } else {
+        // Not reached in time: stop it anyway.
+        *figures.kills.entry(id.to_owned()).or_default() += 1;
+    }
+    system.spawn(id, service, &extra(service)).await;
+}
+
+/// The scheduler's state and generation of each task.
+async fn scheduler_states(system: &System) -> HashMap<uuid::Uuid, (String, i64)> {
+    sqlx::query_as::<_, (uuid::Uuid, String, i64)>(
+        "SELECT task_id, state, coalesce((lifecycle->>'generation')::bigint, 0) FROM scheduler.tasks",
+    )
+    .fetch_all(&system.pool)
+    .await
+    .unwrap_or_default()
+    .into_iter()
+    .map(|(id, state, generation)| (id, (state, generation)))
+    .collect()
+}
+
+/// Sends the approval a triage task waits for through intake's API, as a person of
+/// the task's tenant would; whether intake took it.
+async fn approve(system: &System, tokens: &HashMap<String, String>, task: uuid::Uuid) -> bool {
+    let tenant: Option<String> = sqlx::query_scalar("SELECT tenant FROM intake.tasks WHERE task_id = $1")
+        .bind(task)
+        .fetch_optional(&system.pool)
+        .await
+        .unwrap_or(None);
+    let Some(token) = tenant.and_then(|t| tokens.get(&t)) else { return false };
+    let url = format!("{}/v1/tasks/{task}/signals/refund_approved", system.url_of("intake"));
+    let answer = fenceline_tests::system::http_as("POST", url, token, Some(json!({"approved_by": "chaos"}))).await;
+    matches!(answer, Ok((202, _)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
+    let plan = Plan::from_env();
+    println!(
+        "chaos seed {} ({} tasks, {} s of faults); replay with FENCELINE_CHAOS_SEED={}",
+        plan.seed,
+        plan.tasks,
+        plan.chaos.as_secs(),
+        plan.seed
+    );
+    let mut rng = StdRng::seed_from_u64(plan.seed);
+    let mut system = System::new(&[
+        ("imagegen", Caps { lookup: true, ..Caps::default() }),
+        ("sketcher", Caps::default()),
+        ("llm", Caps { idempotency_keys: true, ..Caps::default() }),
+        ("payments", Caps { idempotency_keys: true, lookup: true, ..Caps::default() }),
+    ])
+    .await;
+    let budget = |steps: Value| json!({"steps": steps, "max_attempts": 6, "attempt_budget_ms": 60_000});
+    system.set_kinds(json!({
+        "image.generate": budget(json!([{"name": "render", "provider": "imagegen"}])),
+        "image.sketch": budget(json!([{"name": "sketch", "provider": "sketcher"}])),
+        "ticket.reply": budget(json!([{"name": "draft", "provider": "llm"}])),
+        "ticket.triage": budget(json!([
+            {"name": "classify", "provider": "llm"},
+            {"name": "approve", "approval_signal": "refund_approved"},
+            {"name": "refund", "provider": "payments"}
+        ])),
+    }));
+    let share = |per_thousand: usize| (plan.tasks * per_thousand / 1_000).max(1);
+    let rules = [
+        ("imagegen", json!({"status": 429, "retry_after_s": 1, "times": share(20)})),
+        ("imagegen", json!({"status": 503, "times": share(10)})),
+        ("imagegen", json!({"drop_after_accept": true, "times": share(10)})),
+        ("imagegen", json!({"hang": true, "times": 2})),
+        ("imagegen", json!({"latency_ms": 100})),
+        ("sketcher", json!({"drop_after_accept": true, "times": share(5)})),
+        ("sketcher", json!({"status": 503, "times": share(10)})),
+        ("sketcher", json!({"hang": true, "times": 2})),
+        ("sketcher", json!({"latency_ms": 150})),
+        ("llm", json!({"status": 429, "retry_after_s": 1, "times": share(20)})),
+        ("llm", json!({"drop_after_accept": true, "times": share(10)})),
+        ("llm", json!({"latency_ms": 80})),
+        ("payments", json!({"latency_ms": 100})),
+    ];
+    for (provider, rule) in rules {
+        system.provider(provider).rule(rule).await;
+    }
+    for (id, service) in SERVICES {
+        system.spawn(id, service, &extra(service)).await;
+    }
+    let mut tokens = Vec::new();
+    for tenant in TENANTS {
+        tokens.push(system.token(tenant).await);
+    }
+
+    // Faults while the tasks arrive.
+    let started = Instant::now();
+    let submitting = tokio::spawn(client(system.url_of("intake"), tokens.clone(), plan));
+    let mut figures = Figures::default();
+    let (broker_at, postgres_at) = (plan.chaos.mul_f64(0.4), plan.chaos.mul_f64(0.7));
+    while started.elapsed() < plan.chaos {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(2_000..5_000))).await;
+        revive(&mut system, &mut figures).await;
+        if figures.broker_restarts == 0 && started.elapsed() >= broker_at {
+            system.broker.kill();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            system.broker.restart().await;
+            figures.broker_restarts += 1;
+            continue;
+        }
+        if figures.postgres_restarts == 0 && started.elapsed() >= postgres_at {
+            tokio::task::spawn_blocking(restart_postgres).await.expect("pg_ctl thread");
+            figures.postgres_restarts += 1;
+            continue;
+        }
+        strike(&mut system, &mut rng, &mut figures).await;
+    }
+    let (accepted, client_figures) = submitting.await.expect("client");
+    let last_fault = Instant::now();
+    revive(&mut system, &mut figures).await;
+
+    // Drain: every task settles; triage tasks get their approval once.
+    let by_tenant: HashMap<String, String> =
+        TENANTS.iter().map(|t| (*t).to_owned()).zip(tokens.iter().cloned()).collect();
+    let accepted_ids: HashSet<uuid::Uuid> =
+        accepted.values().map(|id| id.parse::<TaskId>().expect("task id").as_uuid()).collect();
+    let mut approved = HashSet::new();
+    let deadline = Instant::now() + plan.drain;
+    let states = loop {
+        let states = scheduler_states(&system).await;
+        for (task, (state, _)) in &states {
+            if state == "awaiting_approval" && !approved.contains(task) && approve(&system, &by_tenant, *task).await {
+                approved.insert(*task);
+            }
+        }
+        let unsettled: Vec<_> = accepted_ids
+            .iter()
+            .filter(|id| states.get(id).is_none_or(|(s, _)| !SETTLED.contains(&s.as_str()) || s == "awaiting_approval"))
+            .collect();
+        if unsettled.is_empty() {
+            break states;
+        }
+        if Instant::now() >= deadline {
+            let mut by_state: BTreeMap<String, usize> = BTreeMap::new();
+            for id in &unsettled {
+                *by_state.entry(states.get(id).map_or("missing".into(), |s| s.0.clone())).or_default() += 1;
+            }
+            panic!(
+                "{} tasks did not settle within {:?} of the last fault: {by_state:?} (seed {})\n{}",
+                unsettled.len(),
+                plan.drain,
+                plan.seed,
+                system.logs()
+            );
+        }
+        revive(&mut system, &mut figures).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let drained_in = last_fault.elapsed();
+
+    // 1. None lost: every accepted task is in intake and at the scheduler, settled.
+    let in_intake: HashSet<uuid::Uuid> = sqlx::query_scalar::<_, uuid::Uuid>("SELECT task_id FROM intake.tasks")
+        .fetch_all(&system.pool)
+        .await
+        .expect("intake tasks")
+        .into_iter()
+        .collect();
+    assert_eq!(accepted.len(), plan.tasks, "every submission was accepted");
+    assert!(accepted_ids.is_subset(&in_intake), "an accepted task is missing from intake");
+    assert_eq!(in_intake.len(), accepted_ids.len(), "a submission twice with one key made a second task");
+    let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
+    for id in &accepted_ids {
+        *by_state.entry(states[id].0.as_str()).or_default() += 1;
+    }
+
+    // 2. Charges: at most one per task and step at every provider; only generation 0
+    //    (nobody resolved anything).
+    let mut numbers = HashMap::new();
+    for (n, id) in &accepted {
+        numbers.insert(id.parse::<TaskId>().expect("id").as_uuid(), *n);
+    }
+    let mut charges: HashMap<(&str, u64, String), usize> = HashMap::new();
+    let mut received: HashSet<(&str, u64)> = HashSet::new();
+    let mut charges_by_provider: BTreeMap<&str, usize> = BTreeMap::new();
+    for (provider, _) in [("imagegen", ()), ("sketcher", ()), ("llm", ()), ("payments", ())] {
+        for call in system.provider(provider).calls().await {
+            let Some(n) = call["input"]["task"]["n"].as_u64() else { continue };
+            received.insert((provider, n));
+            if call["charged"] == true {
+                let operation = call["operation"].as_str().unwrap_or_default().to_owned();
+                *charges.entry((provider, n, operation)).or_default() += 1;
+                *charges_by_provider.entry(provider).or_default() += 1;
+            }
+        }
+    }
+    let twice: Vec<_> = charges.iter().filter(|(_, count)| **count > 1).collect();
+    assert!(twice.is_empty(), "charged more than once for one task and step: {twice:?} (seed {})", plan.seed);
+    let new_generations: Vec<_> = states.iter().filter(|(_, (_, generation))| *generation != 0).collect();
+    assert!(new_generations.is_empty(), "a new generation without a person's resolution: {new_generations:?}");
+
+    // 3. Every outcome_unknown was received by its provider (genuinely in doubt);
+    //    every task its provider never received was retried, never left in doubt.
+    let mut unknown_reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for (id, (state, _)) in states.iter().filter(|(id, _)| accepted_ids.contains(id)) {
+        let n = numbers[id] as u64;
+        let paid_at: Vec<&str> = KINDS.iter().map(|k| k.2).collect();
+        let was_received = paid_at.iter().any(|p| received.contains(&(*p, n)));
+        if state == "outcome_unknown" {
+            assert!(was_received, "task {n} is outcome_unknown but no provider received it (seed {})", plan.seed);
+            let reason: Option<String> =
+                sqlx::query_scalar("SELECT lifecycle->>'reason' FROM scheduler.tasks WHERE task_id = $1")
+                    .bind(id)
+                    .fetch_one(&system.pool)
+                    .await
+                    .expect("reason");
+            *unknown_reasons.entry(reason.unwrap_or_default().chars().take(90).collect()).or_default() += 1;
+        }
+        if !was_received {
+            assert_ne!(state, "outcome_unknown", "task {n} was never received yet left in doubt");
+        }
+    }
+
+    // 4. One live lease at a time: in each task's own order on fenceline.attempts, a
+    //    grant is claimed only after the previous one ended, and a takeover of the
+    //    same grant carries a larger fencing token; no two executions run at the end.
+    let brokers = system.broker.brokers();
+    let topic = topics::named(&system.prefix, topics::ATTEMPTS);
+    let records = tokio::task::spawn_blocking(move || {
+        fenceline_tests::read_until_quiet(&brokers, &topic, Duration::from_secs(5), Duration::from_secs(120))
+    })
+    .await
+    .expect("reader");
+    let mut live: HashMap<TaskId, (fenceline_domain::ids::GrantId, i64)> = HashMap::new();
+    let (mut overlaps, mut takeovers, mut seen) = (Vec::new(), 0usize, HashSet::new());
+    for record in &records {
+        use rdkafka::message::{Headers as _, Message as _};
+        let headers: Vec<(&str, Option<&[u8]>)> =
+            record.headers().map(|h| h.iter().map(|h| (h.key, h.value)).collect()).unwrap_or_default();
+        let Ok(envelope) = fenceline_events::Envelope::decode(headers, record.payload().unwrap_or_default()) else {
+            continue;
+        };
+        // A relay that crashed before marking its rows sends them again: same event id.
+        if !seen.insert(envelope.headers.event_id.as_uuid()) {
+            continue;
+        }
+        match envelope.event {
+            Event::AttemptClaimed(c) => match live.get(&c.task_id) {
+                Some((grant, _)) if *grant != c.grant_id => overlaps.push((c.task_id, *grant, c.grant_id)),
+                Some((_, token_before)) if c.fencing_token <= *token_before => {
+                    overlaps.push((c.task_id, c.grant_id, c.grant_id))
+                }
+                Some(_) => {
+                    takeovers += 1;
+                    live.insert(c.task_id, (c.grant_id, c.fencing_token));
+                }
+                None => {
+                    live.insert(c.task_id, (c.grant_id, c.fencing_token));
+                }
+            },
+            Event::AttemptSucceeded(e) => ended(&mut live, e.task_id, e.grant_id),
+            Event::AttemptFailed(e) => ended(&mut live, e.task_id, e.grant_id),
+            Event::AttemptReleased(e) => ended(&mut live, e.task_id, e.grant_id),
+            Event::AttemptLost(e) => ended(&mut live, e.task_id, e.grant_id),
+            _ => {}
+        }
+    }
+    assert!(overlaps.is_empty(), "two live leases on one task: {overlaps:?} (seed {})", plan.seed);
+    let running_twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT task_id FROM executor.executions WHERE status = 'running' \
+         GROUP BY task_id HAVING count(*) > 1) t",
+    )
+    .fetch_one(&system.pool)
+    .await
+    .expect("executions");
+    assert_eq!(running_twice, 0, "a task with two running executions");
+
+    // 5. The figures.
+    let fenced = system.count_lines("write rejected: fenced");
+    let redelivered = system.count_lines("records redelivered after a restart");
+    let duplicates = system.count_lines("duplicate event skipped");
+    let kills: usize = figures.kills.values().sum();
+    let crashes: usize = figures.crashes.values().sum();
+    println!("== chaos run, seed {} ==", plan.seed);
+    println!(
+        "tasks {} (submitted twice {}, replayed answers {}, client retries while intake was down {})",
+        accepted.len(),
+        client_figures.resubmitted,
+        client_figures.replayed,
+        client_figures.submit_retries
+    );
+    println!("final states {by_state:?}");
+    println!("SIGKILLs {kills} {:?}", figures.kills);
+    println!("crashes at named points {crashes} {:?}", figures.crashes);
+    println!(
+        "broker restarts {}, Postgres restarts {}, services that died on their own {}",
+        figures.broker_restarts, figures.postgres_restarts, figures.died_on_their_own
+    );
+    println!(
+        "redelivery batches skipped by offset {redelivered}, duplicate events skipped {duplicates}, \
+         fenced writes rejected {fenced}, grants claimed again after their lease expired {takeovers}"
+    );
+    println!("charges {charges_by_provider:?} for {} tasks; at most one per task and step", accepted.len());
+    println!("outcome_unknown by reason {unknown_reasons:?}");
+    println!(
+        "drained {:.1} s after the last fault; whole run {:.1} s",
+        drained_in.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(kills + crashes >= 5, "the run had faults: {kills} kills, {crashes} crashes");
+}
+
+/// The grant's attempt ended: no lease of it is live any more.
+fn ended(
+    live: &mut HashMap<TaskId, (fenceline_domain::ids::GrantId, i64)>,
+    task: TaskId,
+    grant: fenceline_domain::ids::GrantId,
+) {
+    if live.get(&task).is_some_and(|(g, _)| *g == grant) {
+        live.remove(&task);
+    }
+}

@@ -251,18 +251,7 @@ pub async fn wait_applied(pool: &sqlx::PgPool, expected: i64, timeout: Duration)
 /// Reads `topic` from the beginning of every partition until `expected` records
 /// arrived or `timeout` passed, as an outside reader (no group) would.
 pub fn read_topic(brokers: &str, topic: &str, expected: usize, timeout: Duration) -> Vec<OwnedMessage> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("reader-{}", uuid::Uuid::now_v7().simple()))
-        .set("enable.auto.commit", "false")
-        .set("broker.address.family", "v4")
-        .create()
-        .expect("reader");
-    let mut tpl = TopicPartitionList::new();
-    for partition in 0..PARTITIONS {
-        tpl.add_partition_offset(topic, partition, Offset::Beginning).expect("partition");
-    }
-    consumer.assign(&tpl).expect("assign");
+    let consumer = reader(brokers, topic);
     let deadline = std::time::Instant::now() + timeout;
     let mut out = Vec::new();
     while out.len() < expected && std::time::Instant::now() < deadline {
@@ -273,9 +262,8 @@ pub fn read_topic(brokers: &str, topic: &str, expected: usize, timeout: Duration
     out
 }
 
-/// Every record of `topic` from the beginning, read until none arrived for `quiet`
-/// (or `limit` passed).
-pub fn read_until_quiet(brokers: &str, topic: &str, quiet: Duration, limit: Duration) -> Vec<OwnedMessage> {
+/// A consumer of its own group, assigned every partition of `topic` from the beginning.
+fn reader(brokers: &str, topic: &str) -> BaseConsumer {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("reader-{}", uuid::Uuid::now_v7().simple()))
@@ -288,6 +276,13 @@ pub fn read_until_quiet(brokers: &str, topic: &str, quiet: Duration, limit: Dura
         tpl.add_partition_offset(topic, partition, Offset::Beginning).expect("partition");
     }
     consumer.assign(&tpl).expect("assign");
+    consumer
+}
+
+/// Every record of `topic` from the beginning, read until none arrived for `quiet`
+/// (or `limit` passed).
+pub fn read_until_quiet(brokers: &str, topic: &str, quiet: Duration, limit: Duration) -> Vec<OwnedMessage> {
+    let consumer = reader(brokers, topic);
     let (started, mut last) = (std::time::Instant::now(), std::time::Instant::now());
     let mut out = Vec::new();
     while last.elapsed() < quiet && started.elapsed() < limit {

@@ -445,6 +445,14 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         let was_received = paid_at.iter().any(|p| received.contains(&(*p, n)));
         if state == "outcome_unknown" {
             assert!(was_received, "task {n} is outcome_unknown but no provider received it (seed {})", plan.seed);
+            // Only a provider that can neither dedupe nor be asked leaves a doubt that
+            // no one can settle: `sketcher`, behind image.sketch.
+            let kind: String = sqlx::query_scalar("SELECT kind FROM intake.tasks WHERE task_id = $1")
+                .bind(id)
+                .fetch_one(&system.pool)
+                .await
+                .expect("kind");
+            assert_eq!(kind, "image.sketch", "task {n} left in doubt at a provider that could settle it");
             let reason: Option<String> =
                 sqlx::query_scalar("SELECT lifecycle->>'reason' FROM scheduler.tasks WHERE task_id = $1")
                     .bind(id)

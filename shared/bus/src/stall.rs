@@ -33,20 +33,24 @@ pub struct Stalled {
     pub idle: Duration,
 }
 
-/// Which partitions have waited longer than `after`, whoever holds them: another
-/// instance, none (an assignment to a member that is gone), or this one (whose
-/// fetching stalled). `progress` is (next offset, time since it last moved) per
+/// Which partitions not held by this instance have waited longer than `after`:
+/// held by another instance that stopped advancing them, or by none (an assignment
+/// to a member that is gone). A partition this instance holds is left out: a
+/// rejoin does not make its own fetching faster, and on an overloaded broker it
+/// only adds a rebalance. `progress` is (next offset, time since it last moved) per
 /// partition that has a stored progress; `watermarks` is (low, high) per partition;
 /// `up_for` is how long this instance has been watching (the idle time of a
 /// partition never consumed).
 pub fn stalled(
     watermarks: &HashMap<(String, i32), (i64, i64)>,
     progress: &HashMap<(String, i32), (Option<i64>, Duration)>,
+    held: &dyn Fn(&(String, i32)) -> bool,
     up_for: Duration,
     after: Duration,
 ) -> Vec<Stalled> {
     let mut out: Vec<Stalled> = watermarks
         .iter()
+        .filter(|(key, _)| !held(key))
         .filter_map(|((topic, partition), &(low, high))| {
             let (next, idle) = match progress.get(&(topic.clone(), *partition)) {
                 Some((next, idle)) => (next.unwrap_or(low).max(low), *idle),
@@ -89,14 +93,13 @@ pub async fn watch<C: ConsumerContext + 'static>(
         if started.elapsed() < after || asked.is_some_and(|at| at.elapsed() < after) {
             continue;
         }
-        match look(&consumer, &pool, &group, &topics, started.elapsed(), after).await {
+        match look(&consumer, &pool, &group, &topics, held.as_ref(), started.elapsed(), after).await {
             Ok(stalled) if !stalled.is_empty() => {
                 for s in &stalled {
                     warn!(
                         group,
                         topic = s.topic,
                         partition = s.partition,
-                        held_here = held(&(s.topic.clone(), s.partition)),
                         next_offset = s.next_offset,
                         high_watermark = s.high_watermark,
                         idle_s = s.idle.as_secs(),
@@ -117,6 +120,7 @@ async fn look<C: ConsumerContext + 'static>(
     pool: &PgPool,
     group: &str,
     topics: &[String],
+    held: &(dyn Fn(&(String, i32)) -> bool + Send + Sync),
     up_for: Duration,
     after: Duration,
 ) -> Result<Vec<Stalled>, crate::Error> {
@@ -147,7 +151,7 @@ async fn look<C: ConsumerContext + 'static>(
     })
     .await
     .map_err(|e| crate::Error::Kafka(rdkafka::error::KafkaError::Subscription(e.to_string())))??;
-    Ok(stalled(&watermarks, &progress, up_for, after))
+    Ok(stalled(&watermarks, &progress, held, up_for, after))
 }
 
 #[cfg(test)]
@@ -159,28 +163,30 @@ mod tests {
     }
 
     #[test]
-    fn only_a_partition_with_records_waiting_too_long_has_stalled() {
+    fn only_a_partition_not_held_here_with_records_waiting_too_long_has_stalled() {
         let after = Duration::from_secs(30);
         let watermarks: HashMap<_, _> =
-            [(key(1), (0, 10)), (key(2), (0, 10)), (key(3), (0, 10)), (key(4), (0, 0))].into();
+            [(key(0), (0, 10)), (key(1), (0, 10)), (key(2), (0, 10)), (key(3), (0, 10)), (key(4), (0, 0))].into();
         let progress: HashMap<_, _> = [
+            (key(0), (Some(4), Duration::from_secs(60))),  // held by this instance
             (key(1), (Some(4), Duration::from_secs(60))),  // waits: stalled
             (key(2), (Some(10), Duration::from_secs(60))), // nothing waits
-            (key(3), (Some(4), Duration::from_secs(5))),   // an instance is at it
+            (key(3), (Some(4), Duration::from_secs(5))),   // another instance is at it
         ]
         .into();
-        let found = stalled(&watermarks, &progress, Duration::from_secs(120), after);
+        let held = |k: &(String, i32)| k.1 == 0;
+        let found = stalled(&watermarks, &progress, &held, Duration::from_secs(120), after);
         assert_eq!(found.iter().map(|s| s.partition).collect::<Vec<_>>(), [1]);
         assert_eq!((found[0].next_offset, found[0].high_watermark), (4, 10));
         // A partition nobody ever consumed waits as long as the watch has been up.
         let mut never: HashMap<_, _> = watermarks.clone();
         never.insert(key(5), (0, 3));
-        let found = stalled(&never, &progress, Duration::from_secs(10), after);
+        let found = stalled(&never, &progress, &held, Duration::from_secs(10), after);
         assert_eq!(found.iter().map(|s| s.partition).collect::<Vec<_>>(), [1]);
-        let found = stalled(&never, &progress, Duration::from_secs(45), after);
+        let found = stalled(&never, &progress, &held, Duration::from_secs(45), after);
         assert_eq!(found.iter().map(|s| s.partition).collect::<Vec<_>>(), [1, 5]);
         // Records compacted away below the stored progress do not count as waiting.
         let compacted: HashMap<_, _> = [(key(1), (12, 12))].into();
-        assert!(stalled(&compacted, &progress, Duration::from_secs(120), after).is_empty());
+        assert!(stalled(&compacted, &progress, &|_| false, Duration::from_secs(120), after).is_empty());
     }
 }

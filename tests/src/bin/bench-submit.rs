@@ -105,6 +105,7 @@ async fn main() {
     let prefix = fresh_topics_with(&[
         topics::TASKS,
         topics::STATUS,
+        topics::ATTEMPTS,
         topics::RECOVERY,
         topics::DEADLETTER,
         topics::INTAKE_REQUESTS,

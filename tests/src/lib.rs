@@ -73,7 +73,7 @@ pub fn kafka(prefix: &str) -> KafkaConfig {
 }
 
 pub fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168, stall_after_ms: 10_000 }
+    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168, stall_after_ms: 30_000 }
 }
 
 /// The settings every service shares, for a service under test on port 0.

@@ -210,7 +210,6 @@ impl System {
             ("FENCELINE_TOPIC_PREFIX", prefix.clone()),
             ("FENCELINE_CATALOG", catalog_path.display().to_string()),
             ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
-            ("FENCELINE_CONSUMER_STALL_AFTER_MS", "10000".into()),
             ("FENCELINE_SHUTDOWN_GRACE_MS", "3000".into()),
             ("FENCELINE_OUTBOX_IDLE_POLL_MS", "100".into()),
             ("FENCELINE_EXECUTOR_LEASE_MS", "2000".into()),

@@ -29,7 +29,7 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
     system.provider("img").rule(json!({"latency_ms": 300})).await;
     system.spawn_all(None).await;
 
-    // The figure is 5,000; `FENCELINE_FAIRNESS_BACKLOG` sets it. The default
+    // The target figure is 5,000; `FENCELINE_FAIRNESS_BACKLOG` sets it. The default
     // run uses 1,000: with 5,000 this broker, busy taking the backlog in, times out
     // produce and group requests for minutes (docs/broker.md), and B's wait then
     // measures the broker.

@@ -70,7 +70,10 @@ pub fn stalled(
 }
 
 /// Watches the group's partitions every third of `after` and sets `rejoin` when one
-/// has stalled; waits `after` between requests, so a rebalance has time to work.
+/// has stalled. After asking it waits before it asks again — `after`, then twice as
+/// long each time up to eight times, until a look finds nothing stalled — so that on
+/// a broker too busy to keep its group together the watch does not add a storm of
+/// rebalances.
 #[allow(clippy::too_many_arguments)] // the consumer's parts, each needed once
 pub async fn watch<C: ConsumerContext + 'static>(
     consumer: Arc<BaseConsumer<C>>,
@@ -85,12 +88,13 @@ pub async fn watch<C: ConsumerContext + 'static>(
     let started = Instant::now();
     let mut every = tokio::time::interval((after / 3).max(Duration::from_secs(1)));
     let mut asked: Option<Instant> = None;
+    let mut pause = after;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = every.tick() => {}
         }
-        if started.elapsed() < after || asked.is_some_and(|at| at.elapsed() < after) {
+        if started.elapsed() < after || asked.is_some_and(|at| at.elapsed() < pause) {
             continue;
         }
         match look(&consumer, &pool, &group, &topics, held.as_ref(), started.elapsed(), after).await {
@@ -107,9 +111,15 @@ pub async fn watch<C: ConsumerContext + 'static>(
                     );
                 }
                 rejoin.store(true, Ordering::SeqCst);
+                if asked.is_some() {
+                    pause = (pause * 2).min(after * 8);
+                }
                 asked = Some(Instant::now());
             }
-            Ok(_) => {}
+            Ok(_) => {
+                asked = None;
+                pause = after;
+            }
             Err(e) => debug!(group, error = %e, "stall watch could not look"),
         }
     }

@@ -175,7 +175,9 @@ pub async fn resolve(
         (ResolutionAction::AttachResult, Some(r)) => {
             let hex_ok =
                 r.sha256.len() == 64 && r.sha256.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
-            crate::tasks::storable("result.uri", &serde_json::Value::from(r.uri.as_str()))?;
+            if r.uri.contains('\0') {
+                return Err(crate::tasks::nul_refused("result.uri"));
+            }
             if !hex_ok || r.size_bytes < 0 || r.uri.is_empty() {
                 return Err(ApiError::InvalidRequest("result needs a uri, a lower-case hex sha256 and a size".into()));
             }
@@ -204,8 +206,6 @@ pub async fn resolve(
             )));
         }
     };
-    let attached_json =
-        attached.as_ref().map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes}));
     let dedup = sqlx::query(
         "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by) \
          VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
@@ -214,7 +214,7 @@ pub async fn resolve(
     .bind(case_id.clone())
     .bind(action.as_str())
     .bind(request.acknowledge_possible_charge)
-    .bind(attached_json)
+    .bind(attached.clone().map(sqlx::types::Json))
     .bind(who);
     let fresh = once(pool, outbox, tenant, task_id, dedup, || {
         Event::ResolutionDecided(ResolutionDecided {

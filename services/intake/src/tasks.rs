@@ -77,9 +77,13 @@ impl SubmitTask {
         if !self.input.is_object() {
             return Err(ApiError::InvalidRequest("input: must be a JSON object".into()));
         }
-        storable("kind", &serde_json::Value::from(self.kind.as_str()))?;
+        if self.kind.contains('\0') {
+            return Err(nul_refused("kind"));
+        }
         storable("input", &self.input)?;
-        storable("labels", &serde_json::json!(self.labels))?;
+        if self.labels.iter().any(|(k, v)| k.contains('\0') || v.contains('\0')) {
+            return Err(nul_refused("labels"));
+        }
         kinds.check(&self.kind, &self.input)?;
         let priority = match self.priority.as_deref() {
             None => Priority::Normal,
@@ -120,9 +124,13 @@ pub fn storable(what: &str, value: &serde_json::Value) -> Result<(), ApiError> {
         }
     }
     if has_nul(value) {
-        return Err(ApiError::InvalidRequest(format!("{what}: text may not contain the NUL character (\\u0000)")));
+        return Err(nul_refused(what));
     }
     Ok(())
+}
+
+pub(crate) fn nul_refused(what: &str) -> ApiError {
+    ApiError::InvalidRequest(format!("{what}: text may not contain the NUL character (\\u0000)"))
 }
 
 impl ValidTask {
@@ -293,7 +301,7 @@ pub struct TaskView {
     #[serde(with = "time::serde::rfc3339::option")]
     pub next_attempt_at: Option<OffsetDateTime>,
     /// The verified result, once the task succeeded.
-    #[schema(value_type = Option<ResultRef>)]
+    #[schema(value_type = Option<fenceline_events::ArtifactRef>)]
     pub result: Option<serde_json::Value>,
     pub case_id: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
@@ -307,15 +315,6 @@ pub struct TaskView {
     /// Single reads only: every attempt a worker took up, oldest first, with how it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<Vec<AttemptView>>,
-}
-
-/// A result that can be verified: where it is, its sha256 and its size.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct ResultRef {
-    pub uri: String,
-    /// Lower-case hex.
-    pub sha256: String,
-    pub size_bytes: i64,
 }
 
 /// One attempt as the executor reported it.
@@ -596,12 +595,7 @@ impl Handler for StatusProjection {
         .bind(&status.step)
         .bind(status.phase.map(|p| p.as_str()))
         .bind(status.next_attempt_at.map(Timestamp::to_datetime))
-        .bind(
-            status
-                .result
-                .as_ref()
-                .map(|r| serde_json::json!({"uri": r.uri, "sha256": r.sha256, "size_bytes": r.size_bytes})),
-        )
+        .bind(status.result.as_ref().map(sqlx::types::Json))
         .bind(&status.case_id)
         .bind(status.updated_at.to_datetime())
         .bind(status.version)

@@ -202,6 +202,9 @@ struct FencedContext {
     stats: Arc<ConsumerStats>,
     grace: Duration,
     shutdown: CancellationToken,
+    /// Grows with every rebalance callback; the poll loop re-applies its pause state
+    /// when it changed, without asking for the assignment on every poll.
+    assignment_changes: AtomicU64,
 }
 
 impl ClientContext for FencedContext {}
@@ -217,6 +220,7 @@ impl ConsumerContext for FencedContext {
                 let _ = consumer.unassign();
             }
         }
+        self.assignment_changes.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -347,6 +351,7 @@ impl FencedConsumer {
             stats: stats.clone(),
             grace: spec.drain_grace,
             shutdown: shutdown.clone(),
+            assignment_changes: AtomicU64::new(0),
         };
         let consumer: Arc<BaseConsumer<FencedContext>> =
             Arc::new(crate::kafka::consumer_config(kafka, &spec.instance, &spec.group).create_with_context(context)?);
@@ -420,8 +425,8 @@ fn poll_loop(
     group: &str,
 ) {
     let mut pending: VecDeque<Fetched> = VecDeque::new();
-    // The pause state last applied, and to which partitions.
-    let mut applied: Option<(bool, Vec<(String, i32)>)> = None;
+    // The pause state last applied, and to which assignment (by its change count).
+    let mut applied: Option<(bool, u64)> = None;
     while !shutdown.is_cancelled() {
         if rejoin.swap(false, Ordering::SeqCst) {
             // Leaving and joining again starts a rebalance of the whole group.
@@ -442,18 +447,14 @@ fn poll_loop(
                 Err(mpsc::error::TrySendError::Closed(_)) => return,
             }
         }
-        let want_paused = !pending.is_empty();
-        if let Ok(assignment) = consumer.assignment() {
-            let partitions: Vec<(String, i32)> =
-                assignment.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
-            let stale =
-                applied.as_ref().is_none_or(|(was_paused, was)| *was_paused != want_paused || *was != partitions);
-            if stale {
-                let result = if want_paused { consumer.pause(&assignment) } else { consumer.resume(&assignment) };
-                match result {
-                    Ok(()) => applied = Some((want_paused, partitions)),
-                    Err(e) => debug!(group, error = %e, "pause/resume failed"),
-                }
+        let wanted = (!pending.is_empty(), consumer.context().assignment_changes.load(Ordering::Relaxed));
+        if applied != Some(wanted)
+            && let Ok(assignment) = consumer.assignment()
+        {
+            let result = if wanted.0 { consumer.pause(&assignment) } else { consumer.resume(&assignment) };
+            match result {
+                Ok(()) => applied = Some(wanted),
+                Err(e) => debug!(group, error = %e, "pause/resume failed"),
             }
         }
         let wait = if pending.is_empty() { Duration::from_millis(100) } else { Duration::from_millis(10) };

@@ -13,6 +13,7 @@ use crate::Timestamp;
 
 /// A result that can be verified.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ArtifactRef {
     pub uri: String,
     /// Lower-case hex.

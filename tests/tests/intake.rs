@@ -805,7 +805,7 @@ async fn the_api_keeps_to_its_openapi_document_under_schemathesis() {
         .args(["run", &format!("{}/v1/openapi.json", intake.base)])
         .args(["--header", &format!("Authorization: Bearer {}", intake.acme)])
         .args(["--checks", "all", "--exclude-checks", "positive_data_acceptance"])
-        .args(["--max-examples", &examples, "--workers", "2", "--no-color"])
+        .args(["--max-examples", &examples, "--workers", "1", "--no-color"])
         .current_dir(std::env::temp_dir())
         .output()
         .await

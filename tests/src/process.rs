@@ -98,6 +98,14 @@ impl Drop for Proc {
     }
 }
 
+/// Adds the indexes Tansu's SQLite storage lacks, as `deploy/local/stack` does
+/// for its brokers (`deploy/local/broker-indexes`, docs/broker.md).
+async fn index_broker_storage(database: &std::path::Path) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/broker-indexes");
+    let status = tokio::process::Command::new(script).arg(database).status().await.expect("run broker-indexes");
+    assert!(status.success(), "broker-indexes failed on {}: {status}", database.display());
+}
+
 /// A broker of a test's own (the stack's binary, its own folder and port), for
 /// tests that stop and restart the broker.
 #[derive(Debug)]
@@ -148,6 +156,7 @@ impl OwnBroker {
             assert!(tokio::time::Instant::now() < deadline, "broker did not listen on {}", self.port);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        index_broker_storage(&self.dir.join("tansu.db")).await;
     }
 
     /// SIGKILL, as a crash would.

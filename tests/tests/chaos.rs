@@ -264,6 +264,57 @@ async fn scheduler_states(system: &System) -> HashMap<uuid::Uuid, (String, i64)>
     .collect()
 }
 
+/// What every service knows of the tasks that did not settle, and how far each
+/// consumer and relay got: the picture a stuck drain is diagnosed from.
+async fn where_they_stand(system: &System, tasks: &[uuid::Uuid]) -> String {
+    let mut out = String::new();
+    for schema in ["intake", "scheduler", "executor", "reconciler"] {
+        let lag = format!(
+            "SELECT to_jsonb(p) FROM (SELECT consumer_group, topic, partition, next_offset, owner, updated_at \
+             FROM {schema}.consumer_partitions ORDER BY 1, 2, 3) p"
+        );
+        let unpublished = format!(
+            "SELECT jsonb_build_object('unpublished', count(*), 'oldest', min(created_at)) \
+             FROM {schema}.outbox WHERE published_at IS NULL"
+        );
+        out.push_str(&format!("{schema}: consumers and outbox\n"));
+        for sql in [lag, unpublished] {
+            out.push_str(&json_rows(system, &sql, None).await);
+        }
+    }
+    out.push_str("slots held\n");
+    let held = "SELECT jsonb_build_object('provider', provider, 'held', count(*), 'expires', max(expires_at_us)) \
+                FROM scheduler.slots GROUP BY provider";
+    out.push_str(&json_rows(system, held, None).await);
+    for task in tasks {
+        out.push_str(&format!("task {task}\n"));
+        for sql in [
+            "SELECT jsonb_build_object('scheduler', state, 'due_at_us', due_at_us, 'provider', provider, \
+             'lifecycle', lifecycle, 'now_us', (extract(epoch from clock_timestamp()) * 1e6)::bigint) \
+             FROM scheduler.tasks WHERE task_id = $1",
+            "SELECT to_jsonb(s) FROM scheduler.slots s WHERE task_id = $1",
+            "SELECT jsonb_build_object('execution', status, 'attempt', attempt, 'worker', worker, 'phase', phase, \
+             'lease_expires_at_us', lease_expires_at_us, 'fencing_token', fencing_token) \
+             FROM executor.executions WHERE task_id = $1 ORDER BY attempt",
+            "SELECT to_jsonb(g) - 'granted' FROM reconciler.grants g WHERE task_id = $1 ORDER BY attempt",
+            "SELECT to_jsonb(c) FROM reconciler.cases c WHERE task_id = $1",
+        ] {
+            out.push_str(&json_rows(system, sql, Some(*task)).await);
+        }
+    }
+    out
+}
+
+/// The rows of a query that selects one JSON value per row, one per line.
+async fn json_rows(system: &System, sql: &str, task: Option<uuid::Uuid>) -> String {
+    let query = sqlx::query_scalar::<_, Value>(sql);
+    let query = if let Some(task) = task { query.bind(task) } else { query };
+    match query.fetch_all(&system.pool).await {
+        Ok(rows) => rows.iter().map(|r| format!("    {r}\n")).collect(),
+        Err(error) => format!("    ({error})\n"),
+    }
+}
+
 /// Sends the approval a triage task waits for through intake's API, as a person of
 /// the task's tenant would; whether intake took it.
 async fn approve(system: &System, tokens: &HashMap<String, String>, task: uuid::Uuid) -> bool {
@@ -386,11 +437,13 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
             for id in &unsettled {
                 *by_state.entry(states.get(id).map_or("missing".into(), |s| s.0.clone())).or_default() += 1;
             }
+            let sample: Vec<uuid::Uuid> = unsettled.iter().take(6).map(|id| **id).collect();
             panic!(
-                "{} tasks did not settle within {:?} of the last fault: {by_state:?} (seed {})\n{}",
+                "{} tasks did not settle within {:?} of the last fault: {by_state:?} (seed {})\n{}\n{}",
                 unsettled.len(),
                 plan.drain,
                 plan.seed,
+                where_they_stand(&system, &sample).await,
                 system.logs()
             );
         }

@@ -1,10 +1,12 @@
 //! The dispatcher: fires durable timers and grants attempts. It sleeps until the
-//! next task comes due or a commit wakes it (`LISTEN`), then grants, one task per
-//! tenant per round, the tenant granted least recently first, as far as provider
-//! slots, tenant slots and rate buckets allow. Every grant is one transaction that
-//! row-locks the task (`SKIP LOCKED`: instances never wait on each other) and
-//! serialises per provider on an advisory lock, so several instances share the
-//! limits correctly.
+//! next task comes due or a commit wakes it (`LISTEN`), then grants in rounds:
+//! every tenant's next due task before any tenant's second, the tenant granted
+//! least recently first, as far as provider slots, tenant slots and rate buckets
+//! allow. A round is one transaction (one commit for up to `grants_per_round`
+//! grants). It row-locks each task (`SKIP LOCKED`) and takes each provider's
+//! advisory lock without waiting (a provider another instance's round holds is
+//! passed over), so several instances share the limits correctly and never wait
+//! on each other.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,54 +111,82 @@ impl Dispatcher {
         })
     }
 
-    /// One round: the next due task of every tenant, the least recently granted
-    /// tenant first. Returns how many were granted.
+    /// One round: every tenant's next due task before any tenant's second, the
+    /// least recently granted tenant first, at most `grants_per_round` grants in one
+    /// transaction (one commit for all). Returns how many were granted.
     async fn round(&self, rate_blocked: &mut HashMap<String, Micros>) -> Result<usize, sqlx::Error> {
         let now = Timestamp::now().0;
         let heads: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(
             "SELECT h.task_id, h.provider FROM ( \
-                 SELECT DISTINCT ON (tenant) task_id, tenant, provider FROM tasks \
-                 WHERE due_at_us IS NOT NULL AND due_at_us <= $1 ORDER BY tenant, priority, due_at_us \
+                 SELECT task_id, tenant, provider, \
+                        row_number() OVER (PARTITION BY tenant ORDER BY priority, due_at_us) AS place \
+                 FROM tasks WHERE due_at_us IS NOT NULL AND due_at_us <= $1 \
              ) h LEFT JOIN tenant_turns t ON t.tenant = h.tenant \
-             ORDER BY t.last_granted_at_us NULLS FIRST LIMIT $2",
+             WHERE h.place <= $2 \
+             ORDER BY h.place, t.last_granted_at_us NULLS FIRST, h.tenant LIMIT $2",
         )
         .bind(now)
-        .bind(self.settings.tenants_per_round)
+        .bind(self.settings.grants_per_round)
         .fetch_all(&self.pool)
         .await?;
-        let mut granted = 0;
-        let mut full: Vec<String> = Vec::new();
+        if heads.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        let mut round = Round::default();
         for (task_id, provider) in heads {
             let provider = provider.unwrap_or_default();
-            if full.contains(&provider) || rate_blocked.contains_key(&provider) {
+            if round.passed_over.contains(&provider) || rate_blocked.contains_key(&provider) {
                 continue;
             }
-            match self.try_grant(TaskId::from_uuid(task_id), now).await? {
-                Tried::Granted => granted += 1,
-                Tried::ProviderFull => full.push(provider),
+            match self.try_grant(&mut tx, &mut round, TaskId::from_uuid(task_id), now).await? {
+                Tried::Granted => {}
+                Tried::ProviderFull => round.passed_over.push(provider),
                 Tried::RateLimited(until) => {
                     rate_blocked.insert(provider, until);
                 }
                 Tried::TenantFull | Tried::Skipped => {}
             }
         }
-        if granted > 0 {
-            self.outbox.committed();
-            debug!(granted, "granted attempts");
+        // In name order, so that two instances' rounds never wait on each other in a cycle.
+        round.tenants.sort();
+        round.tenants.dedup();
+        for tenant in &round.tenants {
+            sqlx::query(
+                "INSERT INTO tenant_turns (tenant, last_granted_at_us) VALUES ($1, $2) \
+                 ON CONFLICT (tenant) DO UPDATE SET last_granted_at_us = EXCLUDED.last_granted_at_us",
+            )
+            .bind(tenant)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
         }
-        Ok(granted)
+        tx.commit().await?;
+        if round.granted > 0 {
+            // Decided and committed, not yet published: the relay must carry it on.
+            let _ = fenceline_bus::faults::drops("scheduler.after_grant_commit");
+            self.outbox.committed();
+            debug!(granted = round.granted, "granted attempts");
+        }
+        Ok(round.granted)
     }
 
-    async fn try_grant(&self, task_id: TaskId, now: Micros) -> Result<Tried, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
-        let Some(row) = tasks::lock_if_due(&mut tx, task_id, now).await? else {
+    /// Tries to grant one task within the round's transaction. Nothing it checks
+    /// before granting changes anything another grant of the round depends on.
+    async fn try_grant(
+        &self,
+        tx: &mut PgConnection,
+        round: &mut Round,
+        task_id: TaskId,
+        now: Micros,
+    ) -> Result<Tried, sqlx::Error> {
+        let Some(row) = tasks::lock_if_due(tx, task_id, now).await? else {
             return Ok(Tried::Skipped);
         };
         let ctx =
             Context { outbox: &self.outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel };
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
-            tasks::apply(&mut tx, ctx, &row, Input::DeadlinePassed, now).await.map_err(bus_error)?;
-            tx.commit().await?;
+            tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).await.map_err(bus_error)?;
             return Ok(Tried::Skipped);
         }
         let Some(kind) = self.catalog.kind(&row.kind) else {
@@ -168,10 +198,18 @@ impl Dispatcher {
         let Some(provider) = self.catalog.provider(provider_name) else {
             return Ok(Tried::Skipped);
         };
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('fenceline.slot:' || $1))")
-            .bind(provider_name)
-            .execute(&mut *tx)
-            .await?;
+        // The provider's slots and bucket belong to one instance's round at a time;
+        // another instance's round passes the provider over instead of waiting.
+        if !round.providers.iter().any(|p| p == provider_name) {
+            let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('fenceline.slot:' || $1))")
+                .bind(provider_name)
+                .fetch_one(&mut *tx)
+                .await?;
+            if !ours {
+                return Ok(Tried::ProviderFull);
+            }
+            round.providers.push(provider_name.to_owned());
+        }
         let held: i64 = sqlx::query_scalar("SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2")
             .bind(provider_name)
             .bind(now)
@@ -192,21 +230,31 @@ impl Dispatcher {
                 return Ok(Tried::TenantFull);
             }
         }
-        if let Some(until) = take_token(&mut tx, provider_name, provider.rate_per_second, provider.burst, now).await? {
+        if let Some(until) = take_token(tx, provider_name, provider.rate_per_second, provider.burst, now).await? {
             return Ok(Tried::RateLimited(until));
         }
-        let lifecycle = tasks::apply(&mut tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
-            .await
-            .map_err(bus_error)?;
-        tx.commit().await?;
-        // Decided and committed, not yet published: the relay must carry it on.
-        let _ = fenceline_bus::faults::drops("scheduler.after_grant_commit");
+        let lifecycle =
+            tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now).await.map_err(bus_error)?;
         Ok(if lifecycle.live_grant.is_some() && lifecycle.live_grant != row.lifecycle.live_grant {
+            round.granted += 1;
+            round.tenants.push(row.tenant);
             Tried::Granted
         } else {
             Tried::Skipped
         })
     }
+}
+
+/// What one round has done so far.
+#[derive(Debug, Default)]
+struct Round {
+    granted: usize,
+    /// Tenants granted, whose turn moves to the end when the round commits.
+    tenants: Vec<String>,
+    /// Providers whose slots and bucket this round holds.
+    providers: Vec<String>,
+    /// Providers full or held by another instance: their tasks wait for the next round.
+    passed_over: Vec<String>,
 }
 
 /// Takes one token from the provider's bucket. `Some(t)`: empty until `t`.

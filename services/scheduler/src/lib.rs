@@ -48,9 +48,12 @@ pub struct SchedulerSettings {
     #[arg(long = "busy-wait-ms", env = "FENCELINE_SCHEDULER_BUSY_WAIT_MS", default_value_t = 2_000)]
     pub busy_wait_ms: u64,
 
-    /// Most tenants considered per dispatch round.
-    #[arg(long = "tenants-per-round", env = "FENCELINE_SCHEDULER_TENANTS_PER_ROUND", default_value_t = 500)]
-    pub tenants_per_round: i64,
+    /// Most grants decided in one dispatch round and committed together. Every
+    /// tenant's next due task comes before any tenant's second, so a tenant that
+    /// arrives waits at most one round behind another's backlog.
+    #[arg(long = "grants-per-round", env = "FENCELINE_SCHEDULER_GRANTS_PER_ROUND", default_value_t = 32,
+          value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub grants_per_round: i64,
 }
 
 /// Builds the scheduler: connects and migrates its schema, starts its outbox relay,

@@ -169,14 +169,6 @@ async fn carry_out(
             .bind(expires)
             .execute(&mut *tx)
             .await?;
-            sqlx::query(
-                "INSERT INTO tenant_turns (tenant, last_granted_at_us) VALUES ($1, $2) \
-                 ON CONFLICT (tenant) DO UPDATE SET last_granted_at_us = EXCLUDED.last_granted_at_us",
-            )
-            .bind(&row.tenant)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
             let event = Event::AttemptGranted(AttemptGranted {
                 grant_id: *grant_id,
                 task_id: row.task_id,

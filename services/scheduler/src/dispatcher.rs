@@ -16,6 +16,7 @@ use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
+use fenceline_domain::limits::take_token;
 use fenceline_events::Timestamp;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -161,6 +162,17 @@ impl Dispatcher {
             .execute(&mut *tx)
             .await?;
         }
+        for (provider, held) in &round.providers {
+            if held.bucket_taken {
+                let (tokens, refilled_at) = held.bucket;
+                sqlx::query("UPDATE rate_buckets SET tokens = $2, refilled_at_us = $3 WHERE provider = $1")
+                    .bind(provider)
+                    .bind(tokens)
+                    .bind(refilled_at)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
         tx.commit().await?;
         if round.granted > 0 {
             // Decided and committed, not yet published: the relay must carry it on.
@@ -200,7 +212,7 @@ impl Dispatcher {
         };
         // The provider's slots and bucket belong to one instance's round at a time;
         // another instance's round passes the provider over instead of waiting.
-        if !round.providers.iter().any(|p| p == provider_name) {
+        if !round.providers.contains_key(provider_name) {
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('fenceline.slot:' || $1))")
                 .bind(provider_name)
                 .fetch_one(&mut *tx)
@@ -208,40 +220,58 @@ impl Dispatcher {
             if !ours {
                 return Ok(Tried::ProviderFull);
             }
-            round.providers.push(provider_name.to_owned());
+            let slots = sqlx::query_scalar("SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2")
+                .bind(provider_name)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?;
+            let bucket = read_bucket(tx, provider_name, provider.burst, now).await?;
+            round.providers.insert(provider_name.to_owned(), Held { slots, bucket, bucket_taken: false });
         }
-        let held: i64 = sqlx::query_scalar("SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2")
-            .bind(provider_name)
-            .bind(now)
-            .fetch_one(&mut *tx)
-            .await?;
-        if held >= i64::from(provider.concurrency) {
+        let Some(held) = round.providers.get_mut(provider_name) else {
+            return Ok(Tried::Skipped);
+        };
+        if held.slots >= i64::from(provider.concurrency) {
             return Ok(Tried::ProviderFull);
         }
+        let tenant_kind = (row.tenant.clone(), row.kind.clone());
         if kind.tenant_concurrency > 0 {
-            let tenant_held: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > $3")
+            let tenant_held = match round.tenant_slots.get(&tenant_kind) {
+                Some(count) => *count,
+                None => {
+                    let count: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > $3",
+                    )
                     .bind(&row.tenant)
                     .bind(&row.kind)
                     .bind(now)
                     .fetch_one(&mut *tx)
                     .await?;
+                    round.tenant_slots.insert(tenant_kind.clone(), count);
+                    count
+                }
+            };
             if tenant_held >= i64::from(kind.tenant_concurrency) {
                 return Ok(Tried::TenantFull);
             }
         }
-        if let Some(until) = take_token(tx, provider_name, provider.rate_per_second, provider.burst, now).await? {
-            return Ok(Tried::RateLimited(until));
+        let (tokens, refilled_at) = held.bucket;
+        let (left, wait) = take_token(tokens, refilled_at, provider.rate_per_second, provider.burst, now);
+        if let Some(wait) = wait {
+            return Ok(Tried::RateLimited(now + wait));
         }
         let lifecycle =
             tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now).await.map_err(bus_error)?;
-        Ok(if lifecycle.live_grant.is_some() && lifecycle.live_grant != row.lifecycle.live_grant {
-            round.granted += 1;
-            round.tenants.push(row.tenant);
-            Tried::Granted
-        } else {
-            Tried::Skipped
-        })
+        if lifecycle.live_grant.is_none() || lifecycle.live_grant == row.lifecycle.live_grant {
+            return Ok(Tried::Skipped);
+        }
+        held.slots += 1;
+        held.bucket = (left, now);
+        held.bucket_taken = true;
+        *round.tenant_slots.entry(tenant_kind).or_default() += 1;
+        round.granted += 1;
+        round.tenants.push(row.tenant);
+        Ok(Tried::Granted)
     }
 }
 
@@ -251,20 +281,33 @@ struct Round {
     granted: usize,
     /// Tenants granted, whose turn moves to the end when the round commits.
     tenants: Vec<String>,
-    /// Providers whose slots and bucket this round holds.
-    providers: Vec<String>,
+    /// The providers whose advisory lock this round holds, and their limits.
+    providers: HashMap<String, Held>,
+    /// Live slots per (tenant, kind) where the kind limits its tenants; a kind's
+    /// slots are all at its provider, so the provider's lock guards these too.
+    tenant_slots: HashMap<(String, String), i64>,
     /// Providers full or held by another instance: their tasks wait for the next round.
     passed_over: Vec<String>,
 }
 
-/// Takes one token from the provider's bucket. `Some(t)`: empty until `t`.
-async fn take_token(
+/// A provider's limits while a round holds its lock: read once, kept in memory,
+/// the bucket written back at commit. Slots other transactions release meanwhile
+/// only lower the true count, so the count kept here never grants too many.
+#[derive(Debug)]
+struct Held {
+    slots: i64,
+    /// Tokens and when they were counted.
+    bucket: (f64, Micros),
+    bucket_taken: bool,
+}
+
+/// Reads (creating it full) and row-locks the provider's token bucket.
+async fn read_bucket(
     tx: &mut PgConnection,
     provider: &str,
-    rate: f64,
     burst: f64,
     now: Micros,
-) -> Result<Option<Micros>, sqlx::Error> {
+) -> Result<(f64, Micros), sqlx::Error> {
     sqlx::query(
         "INSERT INTO rate_buckets (provider, tokens, refilled_at_us) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
     )
@@ -273,22 +316,10 @@ async fn take_token(
     .bind(now)
     .execute(&mut *tx)
     .await?;
-    let (tokens, refilled): (f64, i64) =
-        sqlx::query_as("SELECT tokens, refilled_at_us FROM rate_buckets WHERE provider = $1 FOR UPDATE")
-            .bind(provider)
-            .fetch_one(&mut *tx)
-            .await?;
-    let (left, wait) = fenceline_domain::limits::take_token(tokens, refilled, rate, burst, now);
-    if let Some(wait) = wait {
-        return Ok(Some(now + wait));
-    }
-    sqlx::query("UPDATE rate_buckets SET tokens = $2, refilled_at_us = $3 WHERE provider = $1")
+    sqlx::query_as("SELECT tokens, refilled_at_us FROM rate_buckets WHERE provider = $1 FOR UPDATE")
         .bind(provider)
-        .bind(left)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-    Ok(None)
+        .fetch_one(&mut *tx)
+        .await
 }
 
 fn bus_error(e: fenceline_bus::Error) -> sqlx::Error {

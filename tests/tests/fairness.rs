@@ -111,3 +111,57 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
     assert!(attempt_of(&system, late_a).await.unwrap_or(0) == 0, "A's own new task waits behind A's backlog");
     system.wait_state(b, &["succeeded"], Duration::from_secs(30)).await;
 }
+
+/// A provider whose slots are all taken does not hide the due tasks of another: with
+/// rounds of two grants and three tenants' tasks waiting ahead on a full provider, a
+/// task for a free provider is granted at once, not when the full one frees a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_provider_does_not_hide_the_due_tasks_of_another() {
+    let mut system = System::new(&[("slow", Caps::default()), ("fast", Caps::default())]).await;
+    system.set_provider_limits("slow", 1, 50.0, 50.0);
+    let kind = |provider: &str| {
+        json!({"steps": [{"name": "run", "provider": provider}], "max_attempts": 3, "attempt_budget_ms": 60_000})
+    };
+    system.set_kinds(json!({"slow.job": kind("slow"), "fast.job": kind("fast")}));
+    // The slow provider's one slot stays taken for the rest of the test.
+    system.provider("slow").rule(json!({"latency_ms": 60_000})).await;
+    system.spawn("scheduler", "scheduler", &[("FENCELINE_SCHEDULER_GRANTS_PER_ROUND", "2".into())]).await;
+    system.spawn("executor", "executor", &[]).await;
+
+    let holder = system.submit("tenant-a", "slow.job", json!({"n": 0})).await;
+    let mut waiting = vec![];
+    for tenant in ["tenant-a", "tenant-b", "tenant-c"] {
+        for n in 1..=2 {
+            waiting.push(system.submit(tenant, "slow.job", json!({"n": n})).await);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut held = attempt_of(&system, holder).await.is_some_and(|n| n >= 1);
+        for task in &waiting {
+            held &= attempt_of(&system, *task).await == Some(0);
+        }
+        if held {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the slow provider's tasks never queued behind its one slot");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Tenant D has never been granted, so it sorts after B and C only by name; the
+    // first page of two heads is all for the full provider.
+    let fast = system.submit("tenant-d", "fast.job", json!({"n": 0})).await;
+    let submitted = Instant::now();
+    while attempt_of(&system, fast).await.is_none_or(|n| n == 0) {
+        assert!(
+            // The full provider's call times out after 10 s and frees its slot.
+            submitted.elapsed() < Duration::from_secs(5),
+            "the free provider's task waited behind the full provider's"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("a task for a free provider was granted {:?} after submission", submitted.elapsed());
+    for task in &waiting {
+        assert_eq!(attempt_of(&system, *task).await, Some(0), "the full provider granted beyond its one slot");
+    }
+}

@@ -117,37 +117,57 @@ impl Dispatcher {
     /// transaction (one commit for all). Returns how many were granted.
     async fn round(&self, rate_blocked: &mut HashMap<String, Micros>) -> Result<usize, sqlx::Error> {
         let now = Timestamp::now().0;
-        let heads: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(
-            "SELECT h.task_id, h.provider FROM ( \
-                 SELECT task_id, tenant, provider, \
-                        row_number() OVER (PARTITION BY tenant ORDER BY priority, due_at_us) AS place \
-                 FROM tasks WHERE due_at_us IS NOT NULL AND due_at_us <= $1 \
-             ) h LEFT JOIN tenant_turns t ON t.tenant = h.tenant \
-             WHERE h.place <= $2 \
-             ORDER BY h.place, t.last_granted_at_us NULLS FIRST, h.tenant LIMIT $2",
-        )
-        .bind(now)
-        .bind(self.settings.grants_per_round)
-        .fetch_all(&self.pool)
-        .await?;
-        if heads.is_empty() {
-            return Ok(0);
-        }
+        let limit = self.settings.grants_per_round;
         let mut tx = self.pool.begin().await?;
         let mut round = Round::default();
-        for (task_id, provider) in heads {
-            let provider = provider.unwrap_or_default();
-            if round.passed_over.contains(&provider) || rate_blocked.contains_key(&provider) {
-                continue;
-            }
-            match self.try_grant(&mut tx, &mut round, TaskId::from_uuid(task_id), now).await? {
-                Tried::Granted => {}
-                Tried::ProviderFull => round.passed_over.push(provider),
-                Tried::RateLimited(until) => {
-                    rate_blocked.insert(provider, until);
+        // Providers whose tasks cannot be granted this round; a full page of heads
+        // for them must not hide the due tasks of other providers.
+        let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
+        loop {
+            let heads: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(
+                "SELECT h.task_id, h.provider FROM ( \
+                     SELECT task_id, tenant, provider, \
+                            row_number() OVER (PARTITION BY tenant ORDER BY priority, due_at_us) AS place \
+                     FROM tasks WHERE due_at_us IS NOT NULL AND due_at_us <= $1 \
+                     AND (provider IS NULL OR provider <> ALL($3)) \
+                 ) h LEFT JOIN tenant_turns t ON t.tenant = h.tenant \
+                 WHERE h.place <= $2 \
+                 ORDER BY h.place, t.last_granted_at_us NULLS FIRST, h.tenant LIMIT $2",
+            )
+            .bind(now)
+            .bind(limit)
+            .bind(&excluded)
+            .fetch_all(&mut *tx)
+            .await?;
+            let whole_page = heads.len() as i64 == limit;
+            for (task_id, provider) in heads {
+                let provider = provider.unwrap_or_default();
+                if round.passed_over.contains(&provider) || rate_blocked.contains_key(&provider) {
+                    continue;
                 }
-                Tried::TenantFull | Tried::Skipped => {}
+                match self.try_grant(&mut tx, &mut round, TaskId::from_uuid(task_id), now).await? {
+                    Tried::Granted => {}
+                    Tried::ProviderFull => round.passed_over.push(provider),
+                    Tried::RateLimited(until) => {
+                        rate_blocked.insert(provider, until);
+                    }
+                    Tried::TenantFull | Tried::Skipped => {}
+                }
             }
+            let newly: Vec<String> = round
+                .passed_over
+                .iter()
+                .chain(rate_blocked.keys())
+                .filter(|p| !excluded.contains(p))
+                .cloned()
+                .collect();
+            // Each pass excludes at least one more provider, so this ends.
+            if !whole_page || newly.is_empty() || round.granted as i64 >= limit {
+                break;
+            }
+            excluded.extend(newly);
+            excluded.sort();
+            excluded.dedup();
         }
         // In name order, so that two instances' rounds never wait on each other in a cycle.
         round.tenants.sort();

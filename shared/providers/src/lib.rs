@@ -62,6 +62,8 @@ pub struct HttpProvider {
     capabilities: ProviderCapabilities,
     overrides: HashMap<u16, ErrorClass>,
     agent: ureq::Agent,
+    /// Without a connection pool: for the paid call only.
+    call_agent: ureq::Agent,
 }
 
 impl HttpProvider {
@@ -69,14 +71,23 @@ impl HttpProvider {
     /// environment variable the entry names.
     pub fn new(name: &str, spec: &ProviderSpec) -> Self {
         let timeout = spec.call_timeout();
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(timeout))
-            // A connect that fails is "not sent"; keep it inside the call timeout.
-            .timeout_connect(Some(timeout.min(Duration::from_secs(2)) / 2))
-            .max_redirects(0)
-            .build()
-            .new_agent();
+        let config = |pooled: bool| {
+            ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(timeout))
+                // A connect that fails is "not sent"; keep it inside the call timeout.
+                .timeout_connect(Some(timeout.min(Duration::from_secs(2)) / 2))
+                .max_redirects(0)
+                .max_idle_connections(if pooled { 10 } else { 0 })
+                .max_idle_connections_per_host(if pooled { 3 } else { 0 })
+                .build()
+                .new_agent()
+        };
+        // A paid call never rides a kept-alive connection: a write that meets a
+        // connection the provider is closing fails after the connection was made,
+        // which only a fresh connection can tell apart from "not sent". Look-ups
+        // and verification are free to repeat and keep their connections.
+        let (agent, call_agent) = (config(true), config(false));
         Self {
             name: name.to_owned(),
             base_url: spec.base_url.trim_end_matches('/').to_owned(),
@@ -84,6 +95,7 @@ impl HttpProvider {
             capabilities: spec.capabilities(),
             overrides: spec.overrides(),
             agent,
+            call_agent,
         }
     }
 
@@ -102,7 +114,7 @@ impl HttpProvider {
         let key = operation_key.to_owned();
         let body = serde_json::json!({ "operation": operation, "input": input });
         blocking(move || {
-            let mut request = this.agent.post(format!("{}/v1/operations", this.base_url));
+            let mut request = this.call_agent.post(format!("{}/v1/operations", this.base_url));
             if this.capabilities.idempotency_keys || this.capabilities.lookup {
                 request = request.header("Idempotency-Key", key.as_str());
             }

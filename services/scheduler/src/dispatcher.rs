@@ -33,7 +33,8 @@ const LONGEST_SLEEP: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Tried {
     Granted,
-    /// The provider has no free slot: skip its tasks this round.
+    /// The provider has no free slot, or another instance's round holds it: skip its
+    /// tasks this round.
     ProviderFull,
     /// The provider's bucket is empty: skip its tasks until this many micros pass.
     RateLimited(Micros),

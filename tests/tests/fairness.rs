@@ -119,9 +119,7 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
 async fn a_full_provider_does_not_hide_the_due_tasks_of_another() {
     let mut system = System::new(&[("slow", Caps::default()), ("fast", Caps::default())]).await;
     system.set_provider_limits("slow", 1, 50.0, 50.0);
-    let kind = |provider: &str| {
-        json!({"steps": [{"name": "run", "provider": provider}], "max_attempts": 3, "attempt_budget_ms": 60_000})
-    };
+    let kind = |provider: &str| json!({"steps": [{"name": "run", "provider": provider}], "max_attempts": 3, "attempt_budget_ms": 60_000});
     system.set_kinds(json!({"slow.job": kind("slow"), "fast.job": kind("fast")}));
     // The slow provider's one slot stays taken for the rest of the test.
     system.provider("slow").rule(json!({"latency_ms": 60_000})).await;

@@ -162,7 +162,7 @@ impl System {
         let mut catalog_providers = serde_json::Map::new();
         for (name, caps) in providers {
             let port = free_port();
-            let proc = Proc::spawn(
+            let mut proc = Proc::spawn(
                 &host_binary(),
                 &["fake-provider"],
                 &[
@@ -174,7 +174,7 @@ impl System {
                 ],
             );
             let base = format!("http://127.0.0.1:{port}");
-            wait_ready(&format!("{base}/readyz"), &proc).await;
+            wait_ready(&format!("{base}/readyz"), &mut proc, Exit::Unexpected).await;
             catalog_providers.insert(
                 (*name).to_owned(),
                 json!({
@@ -264,6 +264,16 @@ impl System {
     /// system's settings and `extra` (for example `FAILPOINTS`), and waits until ready.
     /// A restarted service listens where it listened before, as behind a fixed address.
     pub async fn spawn(&mut self, id: &str, service: &str, extra: &[(&'static str, String)]) {
+        self.start(id, service, extra, Exit::Unexpected).await;
+    }
+
+    /// Starts the service process `id` with a fault point armed to crash it: it may
+    /// reach that point, and exit, before it reports ready.
+    pub async fn spawn_to_crash(&mut self, id: &str, service: &str, extra: &[(&'static str, String)]) {
+        self.start(id, service, extra, Exit::Expected).await;
+    }
+
+    async fn start(&mut self, id: &str, service: &str, extra: &[(&'static str, String)], exit: Exit) {
         if let Some(mut old) = self.services.remove(id) {
             old.kill();
             self.retired.push((id.to_owned(), old));
@@ -277,8 +287,8 @@ impl System {
         let mut env = self.env.clone();
         env.push(("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")));
         env.extend(extra.iter().cloned());
-        let proc = Proc::spawn(&host_binary(), &[service], &env);
-        wait_ready(&format!("http://127.0.0.1:{port}/readyz"), &proc).await;
+        let mut proc = Proc::spawn(&host_binary(), &[service], &env);
+        wait_ready(&format!("http://127.0.0.1:{port}/readyz"), &mut proc, exit).await;
         self.services.insert(id.to_owned(), proc);
         self.urls.insert(id.to_owned(), format!("http://127.0.0.1:{port}"));
     }
@@ -481,10 +491,21 @@ impl Drop for System {
     }
 }
 
-async fn wait_ready(url: &str, proc: &Proc) {
+/// Whether a process may exit before it reports ready.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Exit {
+    Expected,
+    Unexpected,
+}
+
+async fn wait_ready(url: &str, proc: &mut Proc, exit: Exit) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while tokio::time::Instant::now() < deadline {
         if let Ok((200, _)) = http("GET", url.to_owned(), None).await {
+            return;
+        }
+        if !proc.running() {
+            assert!(exit == Exit::Expected, "{url}: the process exited before it was ready:\n{}", proc.all_lines());
             return;
         }
         tokio::time::sleep(Duration::from_millis(150)).await;

@@ -241,7 +241,7 @@ async fn strike(system: &mut System, rng: &mut StdRng, figures: &mut Figures) {
     let point = points[rng.random_range(0..points.len())];
     let mut env = extra(service);
     env.push(("FAILPOINTS", format!("{point}=return(crash)")));
-    system.spawn(id, service, &env).await;
+    system.spawn_to_crash(id, service, &env).await;
     if system.service(id).wait_exit(Duration::from_secs(15)).await.is_some() {
         *figures.crashes.entry(format!("{id} at {point}")).or_default() += 1;
     } else {

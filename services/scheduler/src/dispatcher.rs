@@ -289,7 +289,9 @@ impl Dispatcher {
         held.slots += 1;
         held.bucket = (left, now);
         held.bucket_taken = true;
-        *round.tenant_slots.entry(tenant_kind).or_default() += 1;
+        if kind.tenant_concurrency > 0 {
+            *round.tenant_slots.entry(tenant_kind).or_default() += 1;
+        }
         round.granted += 1;
         round.tenants.push(row.tenant);
         Ok(Tried::Granted)

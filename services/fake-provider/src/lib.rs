@@ -3,6 +3,8 @@
 //! ledger, so tests count what was charged. It misbehaves on request.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -45,17 +47,52 @@ pub struct Capabilities {
     pub async_results: bool,
 }
 
+/// Which request of the protocol a rule applies to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    /// `POST /v1/operations`.
+    #[default]
+    Start,
+    /// `GET /v1/operations/{request_id}`, matched by the polled operation's name and key.
+    Poll,
+    /// `GET /artifacts/{request_id}`, matched likewise.
+    Artifact,
+}
+
+/// Where a finished operation's artifact is served from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Serving {
+    /// At this provider's own address.
+    #[default]
+    Here,
+    /// At another host (this process's second port): the result's `uri` names it.
+    OtherHost,
+    /// At this provider's address, which redirects (`307`) to the other host.
+    Redirect,
+}
+
 /// A scripted misbehaviour, applied to matching calls `times` times (default: always).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
+    #[serde(default)]
+    pub on: Target,
     pub operation_key: Option<String>,
     pub operation: Option<String>,
     pub latency_ms: Option<u64>,
+    /// Answer this status and do nothing (after the latency).
     pub status: Option<u16>,
     pub retry_after_s: Option<u64>,
+    /// Answer a status without the provider's problem body, as a gateway would.
+    #[serde(default)]
+    pub bare: bool,
     #[serde(default)]
     pub hang: bool,
+    /// Close the connection without an answer (polls and artifacts).
+    #[serde(default)]
+    pub reset: bool,
     #[serde(default)]
     pub drop_after_accept: bool,
     #[serde(default)]
@@ -63,12 +100,24 @@ pub struct Rule {
     /// Do the work, but serve an artifact whose bytes do not match its checksum.
     #[serde(default)]
     pub corrupt_artifact: bool,
+    /// Do the work (and charge it), then answer this status.
+    pub status_after_work: Option<u16>,
+    /// Answer `409` while an operation with the request's key is still running;
+    /// applies only then.
+    #[serde(default)]
+    pub conflict_while_running: bool,
+    /// Register the work only this long after the request arrived: meanwhile a
+    /// look-up says "never received".
+    pub register_after_ms: Option<u64>,
+    /// Where the operation's artifact is served from.
+    pub serve_artifact: Option<Serving>,
     pub times: Option<u32>,
 }
 
 impl Rule {
-    fn matches(&self, operation: &str, key: Option<&str>) -> bool {
-        self.operation.as_deref().is_none_or(|o| o == operation)
+    fn matches(&self, on: Target, operation: &str, key: Option<&str>) -> bool {
+        self.on == on
+            && self.operation.as_deref().is_none_or(|o| o == operation)
             && self.operation_key.as_deref().is_none_or(|k| Some(k) == key)
     }
 }
@@ -83,7 +132,8 @@ pub struct Call {
     pub input: serde_json::Value,
     pub request_id: Option<String>,
     pub charged: bool,
-    /// What was answered: `succeeded`, `accepted`, `replayed`, `status:429`, `hang`, `dropped`.
+    /// What was answered: `succeeded`, `accepted`, `replayed`, `status:429`, `hang`,
+    /// `dropped`, `conflict`, `status_after_work:504`.
     pub outcome: String,
 }
 
@@ -103,9 +153,18 @@ pub struct Ledger {
 #[derive(Debug, Clone)]
 struct Operation {
     request_id: String,
+    operation: String,
+    key: Option<String>,
     content: Vec<u8>,
     corrupt: bool,
+    serving: Serving,
     ready_at: tokio::time::Instant,
+}
+
+impl Operation {
+    fn running(&self) -> bool {
+        tokio::time::Instant::now() < self.ready_at
+    }
 }
 
 #[derive(Debug, Default)]
@@ -123,11 +182,49 @@ struct Shared {
     state: Arc<Mutex<State>>,
     async_delay: Duration,
     price_cents: u64,
+    /// The second port, where artifacts served from "another host" live.
+    artifact_port: Arc<AtomicU16>,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the first rule for `on` that matches and `applies`, counting it down.
+    fn take_rule(
+        &self,
+        on: Target,
+        operation: &str,
+        key: Option<&str>,
+        applies: impl Fn(&State, &Rule) -> bool,
+    ) -> Rule {
+        let mut state = self.lock();
+        let found = state.rules.iter().position(|r| r.matches(on, operation, key) && applies(&state, r));
+        found
+            .map(|i| {
+                let rule = state.rules[i].clone();
+                if let Some(times) = state.rules[i].times.as_mut() {
+                    *times = times.saturating_sub(1);
+                    if *times == 0 {
+                        state.rules.remove(i);
+                    }
+                }
+                rule
+            })
+            .unwrap_or_default()
+    }
+
+    /// The base URL of the other host, as a caller that reached `req` names it.
+    fn other_host(&self, req: &HttpRequest) -> String {
+        let info = req.connection_info();
+        let host = info.host();
+        // Strip the port, minding IPv6 literals (`[::1]:80`).
+        let name = match host.rfind(':') {
+            Some(i) if !host[i..].contains(']') => &host[..i],
+            _ => host,
+        };
+        format!("{}://{name}:{}", info.scheme(), self.artifact_port.load(Ordering::Acquire))
     }
 }
 
@@ -153,13 +250,17 @@ struct ArtifactJson {
     size_bytes: usize,
 }
 
-fn answer(req: &HttpRequest, op: &Operation, done: bool) -> Answer {
+fn answer(req: &HttpRequest, shared: &Shared, op: &Operation, done: bool) -> Answer {
     let info = req.connection_info();
+    let base = match op.serving {
+        Serving::OtherHost => shared.other_host(req),
+        Serving::Here | Serving::Redirect => format!("{}://{}", info.scheme(), info.host()),
+    };
     Answer {
         request_id: op.request_id.clone(),
         status: if done { "succeeded" } else { "running" },
         result: done.then(|| ArtifactJson {
-            uri: format!("{}://{}/artifacts/{}", info.scheme(), info.host(), op.request_id),
+            uri: format!("{base}/artifacts/{}", op.request_id),
             sha256: hex::encode(Sha256::digest(&op.content)),
             size_bytes: op.content.len(),
         }),
@@ -174,37 +275,47 @@ fn problem(status: u16, detail: &str) -> HttpResponse {
     .json(serde_json::json!({"type": format!("/problems/provider-{status}"), "status": status, "detail": detail}))
 }
 
+/// A scripted status: the provider's problem document, or with `bare` the page a
+/// gateway in front of it would answer; `Retry-After` when the rule has one.
+fn scripted(rule: &Rule, status: u16, detail: &str) -> HttpResponse {
+    let mut response = if rule.bare {
+        HttpResponse::build(
+            actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY),
+        )
+        .content_type("text/html")
+        .body(format!("<html><body><h1>{status}</h1>gateway</body></html>"))
+    } else {
+        problem(status, detail)
+    };
+    if let Some(after) = rule.retry_after_s
+        && let Ok(value) = actix_web::http::header::HeaderValue::from_str(&after.to_string())
+    {
+        response.headers_mut().insert(actix_web::http::header::RETRY_AFTER, value);
+    }
+    response
+}
+
+/// An answer whose connection breaks before the body: the caller gets no answer.
+fn broken(why: &'static str) -> HttpResponse {
+    let stream =
+        futures_util::stream::once(async move { Err::<web::Bytes, std::io::Error>(std::io::Error::other(why)) });
+    HttpResponse::Ok().content_type("application/json").streaming(stream)
+}
+
 async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) -> HttpResponse {
     let Ok(start) = serde_json::from_slice::<StartOperation>(&body) else {
         return problem(400, "body must be {\"operation\": ..., \"input\": ...}");
     };
     let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let rule = {
-        let mut state = shared.lock();
-        let found = state.rules.iter().position(|r| r.matches(&start.operation, key.as_deref()));
-        found.map(|i| {
-            let rule = state.rules[i].clone();
-            if let Some(times) = state.rules[i].times.as_mut() {
-                *times = times.saturating_sub(1);
-                if *times == 0 {
-                    state.rules.remove(i);
-                }
-            }
-            rule
-        })
-    }
-    .unwrap_or_default();
-    // Scripted refusals come after the latency; accepted work is registered (and
-    // visible to look-ups) at once and answered after it, as a provider that is
-    // still rendering would.
-    let latency = rule.latency_ms.map(Duration::from_millis).unwrap_or_default();
-    if rule.status.is_some() {
-        tokio::time::sleep(latency).await;
-    }
-    if rule.exit {
-        tracing::warn!("fake provider exits on a rule");
-        std::process::abort();
-    }
+    // A conflict rule applies only while an operation with this key is running.
+    let rule = shared.take_rule(Target::Start, &start.operation, key.as_deref(), |state, rule| {
+        !rule.conflict_while_running
+            || key
+                .as_ref()
+                .and_then(|k| state.by_key.get(k))
+                .and_then(|id| state.operations.get(id))
+                .is_some_and(Operation::running)
+    });
     let record = |outcome: &str, request_id: Option<String>, charged: bool| {
         let mut state = shared.lock();
         let seq = state.calls.len() as u64 + 1;
@@ -218,19 +329,32 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
             outcome: outcome.to_owned(),
         });
     };
+    if rule.conflict_while_running {
+        record("conflict", None, false);
+        return scripted(&rule, 409, "a request with this Idempotency-Key is still running; ask again later");
+    }
+    // Scripted refusals come after the latency; accepted work is registered (and
+    // visible to look-ups) at once, or after `register_after_ms`, and answered
+    // after the latency, as a provider that is still rendering would.
+    let latency = rule.latency_ms.map(Duration::from_millis).unwrap_or_default();
+    if rule.status.is_some() {
+        tokio::time::sleep(latency).await;
+    }
+    if rule.exit {
+        tracing::warn!("fake provider exits on a rule");
+        std::process::abort();
+    }
     if let Some(status) = rule.status {
         record(&format!("status:{status}"), None, false);
-        let mut response = problem(status, "scripted");
-        if let Some(after) = rule.retry_after_s
-            && let Ok(value) = actix_web::http::header::HeaderValue::from_str(&after.to_string())
-        {
-            response.headers_mut().insert(actix_web::http::header::RETRY_AFTER, value);
-        }
-        return response;
+        return scripted(&rule, status, "scripted");
     }
     if rule.hang {
         record("hang", None, false);
         std::future::pending::<()>().await;
+    }
+    if let Some(delay) = rule.register_after_ms {
+        // In flight, and not yet known: a look-up now says "never received".
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     // Work, once per key when the provider dedupes.
     let (op, replayed) = {
@@ -248,8 +372,11 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
                     latency + if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
                 let op = Operation {
                     request_id: request_id.clone(),
+                    operation: start.operation.clone(),
+                    key: key.clone(),
                     content,
                     corrupt: rule.corrupt_artifact,
+                    serving: rule.serve_artifact.unwrap_or_default(),
                     ready_at: tokio::time::Instant::now() + delay,
                 };
                 state.operations.insert(request_id.clone(), op.clone());
@@ -265,8 +392,11 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
     // The call is in the log from the moment the work is registered: a caller
     // that stops while the provider is still rendering has been received.
     let answered_at_once = !is_async || shared.async_delay.is_zero();
+    let after_work = rule.status_after_work.map(|status| format!("status_after_work:{status}"));
     let outcome = if rule.drop_after_accept {
         "dropped"
+    } else if let Some(after_work) = &after_work {
+        after_work
     } else if replayed {
         "replayed"
     } else if answered_at_once {
@@ -280,25 +410,44 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
     }
     if rule.drop_after_accept {
         // The work is done and charged; the caller gets a reset, not an answer.
-        let stream = futures_util::stream::once(async {
-            Err::<web::Bytes, std::io::Error>(std::io::Error::other("connection dropped after accepting"))
-        });
-        return HttpResponse::Ok().content_type("application/json").streaming(stream);
+        return broken("connection dropped after accepting");
+    }
+    if let Some(status) = rule.status_after_work {
+        // The work is done and charged; the answer says the provider (or a
+        // gateway in front of it) failed.
+        return scripted(&rule, status, "failed after the work was done");
     }
     let done = tokio::time::Instant::now() >= op.ready_at;
     if is_async && !done {
         HttpResponse::Accepted().json(Answer { request_id: op.request_id.clone(), status: "accepted", result: None })
     } else {
-        HttpResponse::Ok().json(answer(&req, &op, done))
+        HttpResponse::Ok().json(answer(&req, &shared, &op, done))
     }
+}
+
+/// What a poll or artifact rule scripts before the normal answer, if anything.
+async fn misbehave(rule: &Rule, detail: &'static str) -> Option<HttpResponse> {
+    if let Some(latency) = rule.latency_ms {
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+    }
+    if rule.hang {
+        std::future::pending::<()>().await;
+    }
+    if rule.reset {
+        return Some(broken(detail));
+    }
+    rule.status.map(|status| scripted(rule, status, "scripted"))
 }
 
 async fn poll(req: HttpRequest, shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
     let op = shared.lock().operations.get(path.as_str()).cloned();
     match op {
         Some(op) => {
-            let done = tokio::time::Instant::now() >= op.ready_at;
-            HttpResponse::Ok().json(answer(&req, &op, done))
+            let rule = shared.take_rule(Target::Poll, &op.operation, op.key.as_deref(), |_, _| true);
+            if let Some(response) = misbehave(&rule, "connection reset while polling").await {
+                return response;
+            }
+            HttpResponse::Ok().json(answer(&req, &shared, &op, !op.running()))
         }
         None => problem(404, "no such request"),
     }
@@ -316,25 +465,46 @@ async fn lookup(req: HttpRequest, shared: web::Data<Shared>, query: web::Query<K
     }
     let Some(key) = &query.operation_key else { return problem(400, "operation_key is required") };
     match state.by_key.get(key).and_then(|id| state.operations.get(id)) {
-        Some(op) => {
-            let done = tokio::time::Instant::now() >= op.ready_at;
-            HttpResponse::Ok().json(answer(&req, op, done))
-        }
+        Some(op) => HttpResponse::Ok().json(answer(&req, &shared, op, !op.running())),
         None => HttpResponse::NotFound().json(serde_json::json!({"status": "unknown", "operation_key": key})),
     }
 }
 
-async fn artifact(shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
-    match shared.lock().operations.get(path.as_str()) {
-        Some(op) => {
-            let mut bytes = op.content.clone();
-            if op.corrupt {
-                bytes.extend_from_slice(b" (corrupted in storage)");
-            }
-            HttpResponse::Ok().content_type("application/octet-stream").body(bytes)
-        }
-        None => problem(404, "no such artifact"),
+/// An artifact at this provider's own address.
+async fn artifact(req: HttpRequest, shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
+    let op = shared.lock().operations.get(path.as_str()).cloned();
+    match op.map(|op| (op.serving, op)) {
+        Some((Serving::Here, op)) => serve_artifact(&shared, &op).await,
+        Some((Serving::Redirect, op)) => HttpResponse::TemporaryRedirect()
+            .insert_header((
+                actix_web::http::header::LOCATION,
+                format!("{}/artifacts/{}", shared.other_host(&req), op.request_id),
+            ))
+            .finish(),
+        // Served elsewhere only: a caller that ignores the result's uri finds nothing.
+        Some((Serving::OtherHost, _)) | None => problem(404, "no such artifact"),
     }
+}
+
+/// An artifact at the other host (the second port).
+async fn artifact_elsewhere(shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
+    let op = shared.lock().operations.get(path.as_str()).cloned();
+    match op {
+        Some(op) if op.serving != Serving::Here => serve_artifact(&shared, &op).await,
+        _ => problem(404, "no such artifact"),
+    }
+}
+
+async fn serve_artifact(shared: &Shared, op: &Operation) -> HttpResponse {
+    let rule = shared.take_rule(Target::Artifact, &op.operation, op.key.as_deref(), |_, _| true);
+    if let Some(response) = misbehave(&rule, "connection reset while downloading").await {
+        return response;
+    }
+    let mut bytes = op.content.clone();
+    if op.corrupt {
+        bytes.extend_from_slice(b" (corrupted in storage)");
+    }
+    HttpResponse::Ok().content_type("application/octet-stream").body(bytes)
 }
 
 async fn calls(shared: web::Data<Shared>, query: web::Query<KeyQuery>) -> HttpResponse {
@@ -375,10 +545,13 @@ async fn reset(shared: web::Data<Shared>) -> HttpResponse {
     HttpResponse::NoContent().finish()
 }
 
-/// The running fake provider.
+/// The running fake provider: the protocol on its port, and artifacts served from
+/// "another host" on a second port of the same address.
 pub struct App {
     server: Server,
+    artifact_server: Server,
     port: u16,
+    artifact_port: u16,
     readiness: Readiness,
 }
 
@@ -395,7 +568,16 @@ impl App {
             state: Arc::new(Mutex::new(State { capabilities: config.capabilities, ..State::default() })),
             async_delay: Duration::from_millis(config.async_delay_ms),
             price_cents: config.price_cents,
+            artifact_port: Arc::new(AtomicU16::new(0)),
         });
+        let elsewhere = HttpConfig { addr: SocketAddr::new(config.http.addr.ip(), 0), ..config.http.clone() };
+        let (artifact_server, artifact_port) = serve(&elsewhere, {
+            let shared = shared.clone();
+            move |cfg: &mut web::ServiceConfig| {
+                cfg.app_data(shared.clone()).route("/artifacts/{request_id}", web::get().to(artifact_elsewhere));
+            }
+        })?;
+        shared.artifact_port.store(artifact_port, Ordering::Release);
         let health = health_routes(NAME, readiness.clone(), None);
         let (server, port) = serve(&config.http, move |cfg: &mut web::ServiceConfig| {
             health(cfg);
@@ -411,22 +593,31 @@ impl App {
                 .route("/admin/rules", web::delete().to(clear_rules))
                 .route("/admin/reset", web::post().to(reset));
         })?;
-        tracing::info!(service = NAME, port, capabilities = ?config.capabilities, "listening");
-        Ok(Self { server, port, readiness })
+        tracing::info!(service = NAME, port, artifact_port, capabilities = ?config.capabilities, "listening");
+        Ok(Self { server, artifact_server, port, artifact_port, readiness })
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    /// The second port, where artifacts served from another host live.
+    pub fn artifact_port(&self) -> u16 {
+        self.artifact_port
+    }
+
     /// Serves until `shutdown` resolves.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
         let handle: ServerHandle = self.server.handle();
+        let artifact_handle: ServerHandle = self.artifact_server.handle();
         let server = tokio::spawn(self.server);
+        let artifact_server = tokio::spawn(self.artifact_server);
         self.readiness.set(true);
         shutdown.await;
         self.readiness.set(false);
         handle.stop(true).await;
+        artifact_handle.stop(true).await;
         let _ = server.await;
+        let _ = artifact_server.await;
     }
 }

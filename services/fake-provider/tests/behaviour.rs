@@ -238,3 +238,191 @@ async fn an_exit_rule_ends_the_process_mid_call() {
     let status = tokio::task::spawn_blocking(move || child.wait()).await.expect("wait").expect("status");
     assert!(!status.success());
 }
+
+/// A GET as raw bytes: (status, content type, `Location`, body), following
+/// redirects or not.
+async fn fetch(url: String, follow: bool) -> Result<(u16, String, Option<String>, Vec<u8>), String> {
+    tokio::task::spawn_blocking(move || {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_redirects(if follow { 5 } else { 0 })
+            .timeout_global(Some(T))
+            .build()
+            .new_agent();
+        let mut response = agent.get(&url).call().map_err(|e| e.to_string())?;
+        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (content_type, location) = (header("content-type").unwrap_or_default(), header("location"));
+        let body = response.body_mut().read_to_vec().map_err(|e| e.to_string())?;
+        Ok((response.status().as_u16(), content_type, location, body))
+    })
+    .await
+    .expect("client thread")
+}
+
+/// Starts an operation and returns the accepted request's poll URL.
+async fn accepted(p: &Provider, key: &str) -> String {
+    let (status, _, body) = operate(p, key).await.expect("answer");
+    assert_eq!((status, body["status"].as_str()), (202, Some("accepted")), "{body}");
+    format!("{}/v1/operations/{}", p.base, body["request_id"].as_str().expect("request id"))
+}
+
+fn sha(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_of_accepted_work_fail_as_scripted_and_then_answer_the_result() {
+    let p = start(Capabilities { async_results: true, ..Capabilities::default() }).await;
+    rule(&p, json!({"on": "poll", "operation_key": "flaky", "status": 503, "times": 2})).await;
+    rule(&p, json!({"on": "poll", "operation_key": "flaky", "status": 429, "retry_after_s": 1, "times": 1})).await;
+    rule(&p, json!({"on": "poll", "operation_key": "flaky", "status": 404, "times": 1})).await;
+    rule(&p, json!({"on": "poll", "operation_key": "flaky", "reset": true, "times": 1})).await;
+    let other = accepted(&p, "steady").await;
+    let url = accepted(&p, "flaky").await;
+
+    let status = |r: Result<(u16, Option<String>, Value), String>| r.map(|(s, after, _)| (s, after));
+    assert_eq!(status(send("GET", url.clone(), None, None, T).await), Ok((503, None)));
+    assert_eq!(status(send("GET", url.clone(), None, None, T).await), Ok((503, None)));
+    assert_eq!(status(send("GET", url.clone(), None, None, T).await), Ok((429, Some("1".to_owned()))));
+    assert_eq!(status(send("GET", url.clone(), None, None, T).await), Ok((404, None)), "as if the job expired");
+    assert!(send("GET", url.clone(), None, None, T).await.is_err(), "the connection breaks without an answer");
+    // Rules are per operation key: another operation's polls are answered.
+    assert_eq!(send("GET", other, None, None, T).await.expect("poll").0, 200);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (status, _, body) = send("GET", url, None, None, T).await.expect("poll");
+    assert_eq!((status, body["status"].as_str()), (200, Some("succeeded")), "{body}");
+    assert_eq!(ledger_total(&p).await, 8, "each accepted operation charged once, whatever its polls met");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_after_the_work_is_charged_and_a_gateways_comes_without_the_problem_body() {
+    let p = start(Capabilities { idempotency_keys: true, lookup: true, ..Capabilities::default() }).await;
+    rule(&p, json!({"operation_key": "own", "status_after_work": 500, "times": 1})).await;
+    rule(&p, json!({"operation_key": "gateway", "status_after_work": 504, "bare": true, "times": 1})).await;
+    rule(&p, json!({"operation_key": "before", "status": 502, "bare": true, "times": 1})).await;
+
+    let own = operate(&p, "own").await.expect("answer");
+    assert_eq!((own.0, own.2["type"].as_str()), (500, Some("/problems/provider-500")), "the provider's own body");
+    let url = format!("{}/v1/operations", p.base);
+    let gateway = send("POST", url, Some("gateway"), Some(json!({"operation": "render"})), T).await.expect("answer");
+    assert_eq!((gateway.0, gateway.2.clone()), (504, Value::Null), "a gateway's page, not a problem document");
+    assert_eq!(ledger_total(&p).await, 8, "both did the work and were charged");
+    let log = calls(&p, "gateway").await;
+    assert_eq!((log[0]["outcome"].as_str(), log[0]["charged"].as_bool()), (Some("status_after_work:504"), Some(true)));
+    let (found, _, body) =
+        send("GET", format!("{}/v1/operations?operation_key=gateway", p.base), None, None, T).await.expect("lookup");
+    assert_eq!((found, body["status"].as_str()), (200, Some("succeeded")), "a look-up finds the work");
+
+    // The same key again is the first call's result, not a second charge.
+    let again = operate(&p, "own").await.expect("answer");
+    assert_eq!((again.0, again.2["request_id"].clone()), (200, log_request_id(&p, "own").await));
+    assert_eq!(ledger_total(&p).await, 8);
+
+    // A bare status before the work is a gateway's answer too, and charges nothing.
+    let (status, content_type) = {
+        let url = format!("{}/v1/operations", p.base);
+        let body = json!({"operation": "render"}).to_string();
+        tokio::task::spawn_blocking(move || {
+            let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+            let mut r = agent
+                .post(&url)
+                .header("Idempotency-Key", "before")
+                .content_type("application/json")
+                .send(body)
+                .expect("answer");
+            let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+            let _ = r.body_mut().read_to_vec();
+            (r.status().as_u16(), ct)
+        })
+        .await
+        .expect("client")
+    };
+    assert_eq!((status, content_type.as_str()), (502, "text/html"));
+    assert_eq!(ledger_total(&p).await, 8);
+}
+
+async fn log_request_id(p: &Provider, key: &str) -> Value {
+    calls(p, key).await[0]["request_id"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_a_key_still_running_gets_409_and_the_same_key_later_gets_the_result() {
+    let p = start(Capabilities { idempotency_keys: true, ..Capabilities::default() }).await;
+    rule(&p, json!({"operation_key": "slow", "latency_ms": 1500, "times": 1})).await;
+    rule(&p, json!({"conflict_while_running": true, "retry_after_s": 1})).await;
+
+    let first = tokio::spawn({
+        let base = p.base.clone();
+        async move {
+            let body = json!({"operation": "render", "input": {"prompt": "shoe"}});
+            send("POST", format!("{base}/v1/operations"), Some("slow"), Some(body), T).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let conflict = operate(&p, "slow").await.expect("answer");
+    assert_eq!((conflict.0, conflict.1.as_deref()), (409, Some("1")), "{:?}", conflict.2);
+    // Nothing runs under another key: the rule does not apply there.
+    assert_eq!(operate(&p, "fresh").await.expect("answer").0, 200);
+
+    let first = first.await.expect("first").expect("answer");
+    assert_eq!(first.0, 200);
+    let later = operate(&p, "slow").await.expect("answer");
+    assert_eq!((later.0, later.2["request_id"].clone()), (200, first.2["request_id"].clone()));
+    let outcomes: Vec<Value> = calls(&p, "slow").await.iter().map(|c| c["outcome"].clone()).collect();
+    assert_eq!(outcomes, vec![json!("succeeded"), json!("conflict"), json!("replayed")]);
+    assert_eq!(ledger_total(&p).await, 8, "slow once, fresh once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_registered_late_is_never_received_for_a_look_up_while_its_request_is_in_flight() {
+    let p = start(Capabilities { lookup: true, ..Capabilities::default() }).await;
+    rule(&p, json!({"operation_key": "late", "register_after_ms": 1000, "times": 1})).await;
+    let lookup = || send("GET", format!("{}/v1/operations?operation_key=late", p.base), None, None, T);
+
+    let request = tokio::spawn({
+        let base = p.base.clone();
+        async move {
+            send("POST", format!("{base}/v1/operations"), Some("late"), Some(json!({"operation": "render"})), T).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(lookup().await.expect("lookup").0, 404, "in flight, yet \"never received\"");
+    assert_eq!(ledger_total(&p).await, 0);
+    assert_eq!(request.await.expect("request").expect("answer").0, 200);
+    assert_eq!(lookup().await.expect("lookup").0, 200, "registered once the delay passed");
+    assert_eq!(ledger_total(&p).await, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn artifacts_may_live_on_another_host_behind_a_redirect_or_fail_to_download_once() {
+    let p = start(Capabilities::default()).await;
+    rule(&p, json!({"operation_key": "elsewhere", "serve_artifact": "other_host", "times": 1})).await;
+    rule(&p, json!({"operation_key": "moved", "serve_artifact": "redirect", "times": 1})).await;
+    rule(&p, json!({"on": "artifact", "operation_key": "flaky", "status": 503, "times": 1})).await;
+    let result = |answer: (u16, Option<String>, Value)| {
+        let result = &answer.2["result"];
+        (result["uri"].as_str().expect("uri").to_owned(), result["sha256"].as_str().expect("sha").to_owned())
+    };
+
+    let (uri, sum) = result(operate(&p, "elsewhere").await.expect("answer"));
+    assert!(!uri.starts_with(&p.base), "{uri} is on another host than {}", p.base);
+    let (status, _, _, bytes) = fetch(uri.clone(), false).await.expect("download");
+    assert_eq!((status, sha(&bytes)), (200, sum));
+    let here = uri.replace(uri.split("/artifacts").next().expect("base"), &p.base);
+    assert_eq!(fetch(here, false).await.expect("answer").0, 404, "not served at the provider's own address");
+
+    let (uri, sum) = result(operate(&p, "moved").await.expect("answer"));
+    assert!(uri.starts_with(&p.base), "{uri}");
+    let (status, _, location, _) = fetch(uri.clone(), false).await.expect("answer");
+    assert_eq!(status, 307);
+    assert!(location.as_deref().is_some_and(|l| !l.starts_with(&p.base)), "redirected elsewhere: {location:?}");
+    let (status, _, _, bytes) = fetch(uri, true).await.expect("download");
+    assert_eq!((status, sha(&bytes)), (200, sum));
+
+    let (uri, sum) = result(operate(&p, "flaky").await.expect("answer"));
+    assert_eq!(fetch(uri.clone(), false).await.expect("answer").0, 503, "the first download fails");
+    let (status, _, _, bytes) = fetch(uri, false).await.expect("download");
+    assert_eq!((status, sha(&bytes)), (200, sum), "the second one works");
+    assert_eq!(ledger_total(&p).await, 12, "downloads are free");
+}

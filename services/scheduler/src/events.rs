@@ -1,12 +1,15 @@
 //! The scheduler's consumer: every event on `fenceline.tasks`, `fenceline.attempts`
 //! and `fenceline.recovery` becomes one lifecycle input of its task, applied under
-//! the task's row lock inside the fenced batch transaction.
+//! the task's row lock inside the fenced batch transaction. A person's request that
+//! arrives before its task (per-key order can break after a delivery timeout) is
+//! kept and applied when the task arrives.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
+use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
 use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
 use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
@@ -65,6 +68,7 @@ impl LifecycleEvents {
         if inserted == 0 {
             return Ok(());
         }
+        let early = take_early_inputs(tx, e.task_id).await?;
         let row = TaskRow {
             task_id: e.task_id,
             tenant: e.tenant.clone(),
@@ -77,8 +81,57 @@ impl LifecycleEvents {
         };
         outbox.append(tx, topics::STATUS, None, &tasks::status_of(&row, &task, 1, now)).await?;
         tasks::save(tx, self.ctx(outbox), e.task_id, &task, 1).await?;
+        for input in early {
+            let Some(row) = tasks::lock(tx, e.task_id).await? else { break };
+            tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
+        }
         Ok(())
     }
+}
+
+/// The lifecycle input of a person's request on `fenceline.tasks`, which needs
+/// nothing but the event.
+fn request_input(event: &Event) -> Option<Input> {
+    match event {
+        Event::CancelRequested(_) => Some(Input::CancelRequested),
+        Event::SignalReceived(e) => Some(Input::Signal { name: e.signal_name.clone(), signal_id: e.signal_id.clone() }),
+        Event::ResolutionDecided(e) => Some(Input::Resolution {
+            case_id: e.case_id.clone(),
+            action: e.action,
+            result: e.attached_result.as_ref().map(tasks::artifact),
+        }),
+        _ => None,
+    }
+}
+
+/// Keeps a request for a task this scheduler has not heard of yet.
+async fn keep_early(tx: &mut PgConnection, task_id: TaskId, record: &Inbound) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO early_requests (task_id, event_id, value) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+        .bind(task_id.as_uuid())
+        .bind(record.envelope.headers.event_id.as_uuid())
+        .bind(&record.value)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+/// The requests kept for a task that has just arrived, in the order they came; removes them.
+async fn take_early_inputs(tx: &mut PgConnection, task_id: TaskId) -> Result<Vec<Input>, HandleError> {
+    let mut kept: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("DELETE FROM early_requests WHERE task_id = $1 RETURNING seq, value")
+            .bind(task_id.as_uuid())
+            .fetch_all(&mut *tx)
+            .await?;
+    kept.sort_by_key(|(seq, _)| *seq);
+    let mut inputs = Vec::with_capacity(kept.len());
+    for (_, value) in kept {
+        // The bytes decoded when they were kept; this binary reads what it wrote.
+        match fenceline_events::decode(&value) {
+            Ok(event) => inputs.extend(request_input(&event)),
+            Err(e) => tracing::error!(%task_id, error = %e, "a kept request no longer decodes; dropped"),
+        }
+    }
+    Ok(inputs)
 }
 
 /// How far the live attempt got; `None` (nothing to apply) for any other attempt.
@@ -98,16 +151,23 @@ impl Handler for LifecycleEvents {
             return Err(HandleError::Poison(format!("{} is not about a task", event.event_type())));
         };
         let Some(row) = tasks::lock(tx, task_id).await? else {
-            // Only events of tasks this scheduler accepted can exist; anything else
-            // is a record from elsewhere.
+            if request_input(event).is_some() {
+                // A request that outran its task's TaskAccepted: applied when the task arrives.
+                tracing::info!(%task_id, event_type = event.event_type(), "request for a task not yet accepted kept");
+                keep_early(tx, task_id, record).await?;
+                return Ok(());
+            }
+            // Attempt and recovery events follow the scheduler's own grants, so they
+            // cannot precede the task; anything else is a record from elsewhere.
             tracing::warn!(%task_id, event_type = event.event_type(), "event for an unknown task ignored");
             return Ok(());
         };
         let input = match event {
-            Event::CancelRequested(_) => Input::CancelRequested,
-            Event::SignalReceived(e) => Input::Signal { name: e.signal_name.clone() },
-            Event::ResolutionDecided(e) => {
-                Input::Resolution { action: e.action, result: e.attached_result.as_ref().map(tasks::artifact) }
+            Event::CancelRequested(_) | Event::SignalReceived(_) | Event::ResolutionDecided(_) => {
+                match request_input(event) {
+                    Some(input) => input,
+                    None => return Ok(()),
+                }
             }
             Event::AttemptClaimed(e) => Input::Claimed { grant_id: e.grant_id },
             Event::CallIntentRecorded(e) => match progress(&row, e.attempt, &e.step, Phase::CallIntent) {

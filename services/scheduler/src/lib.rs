@@ -99,6 +99,15 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                         Ok(_) => {}
                         Err(e) => tracing::warn!(error = %e, "expiring slots failed"),
                     }
+                    // A request kept for a task that never arrived outlives the consumer's dedup window no longer.
+                    let purge = "DELETE FROM early_requests WHERE received_at < now() - interval '7 days'";
+                    match sqlx::query(purge).execute(&pool).await {
+                        Ok(r) if r.rows_affected() > 0 => {
+                            tracing::warn!(purged = r.rows_affected(), "requests for tasks that never arrived purged");
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "purging early requests failed"),
+                    }
                 }
             }
         }

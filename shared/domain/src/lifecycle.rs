@@ -1,8 +1,9 @@
-//! The task lifecycle as a pure state machine (DESIGN.md sections 6 and 7):
+//! The task lifecycle as a pure state machine (docs/execution.md):
 //! `(task, input, now) -> (task, effects)`. The scheduler stores the task, carries
 //! out the effects and publishes a status whenever the transition says so. Inputs
-//! about an attempt that is not the live one (stale, duplicated, reordered) change
-//! nothing.
+//! about an attempt that is not the live one (stale, duplicated) change nothing;
+//! inputs that arrive before what they answer (another topic was faster) are kept
+//! and applied when it arrives.
 
 use std::time::Duration;
 
@@ -37,8 +38,33 @@ pub struct Policy {
     pub busy_wait: Duration,
 }
 
-/// Everything the scheduler knows about one task's lifecycle.
+/// A recovery decision heard before the end of the attempt it answers: the
+/// decision travels on `fenceline.recovery`, the loss on `fenceline.attempts`, and
+/// nothing orders the two.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EarlyDecision {
+    pub attempt: u32,
+    pub decision: RecoveryDecision,
+    pub result: Option<Artifact>,
+    pub case_id: Option<String>,
+    pub jitter: f64,
+}
+
+/// A signal heard while the task was not waiting for it (an approval given before
+/// the approval step began).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptSignal {
+    pub name: String,
+    pub signal_id: String,
+}
+
+/// How many signal ids a task keeps, early ones and consumed ones each: a
+/// duplicate of a consumed signal cannot approve a later wait, and a flood of
+/// early signals cannot grow the task without bound.
+const SIGNALS_KEPT: usize = 32;
+
+/// Everything the scheduler knows about one task's lifecycle.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Task {
     pub state: TaskState,
     pub reason: Option<String>,
@@ -65,7 +91,18 @@ pub struct Task {
     pub step: Option<String>,
     pub phase: Option<Phase>,
     pub result: Option<Artifact>,
+    /// The case a person must decide (`outcome_unknown`, `needs_human`); a
+    /// resolution names it and is ignored for any other.
     pub case_id: Option<String>,
+    /// A decision for the live attempt heard before that attempt ended in doubt.
+    #[serde(default)]
+    pub early_decision: Option<EarlyDecision>,
+    /// Signals heard before their wait began; a wait for one of them ends at once.
+    #[serde(default)]
+    pub kept_signals: Vec<KeptSignal>,
+    /// The ids of the latest signals that ended a wait, newest last.
+    #[serde(default)]
+    pub consumed_signals: Vec<String>,
 }
 
 /// What happened, as the scheduler learned it.
@@ -114,8 +151,12 @@ pub enum Input {
     CancelRequested,
     Signal {
         name: String,
+        /// The signal's identity (intake's dedupe): a signal ends one wait at most.
+        signal_id: String,
     },
     Resolution {
+        /// The case the person read; a resolution of any other case changes nothing.
+        case_id: String,
         action: ResolutionAction,
         result: Option<Artifact>,
     },
@@ -167,6 +208,9 @@ impl Task {
             phase: None,
             result: None,
             case_id: None,
+            early_decision: None,
+            kept_signals: Vec::new(),
+            consumed_signals: Vec::new(),
         }
     }
 
@@ -177,6 +221,11 @@ impl Task {
 
     fn is_live(&self, grant_id: GrantId) -> bool {
         self.live_grant == Some(grant_id)
+    }
+
+    /// Whether the task waits for a person's decision (which names `case_id`).
+    pub fn awaits_a_person(&self) -> bool {
+        matches!(self.state, TaskState::OutcomeUnknown | TaskState::NeedsHuman)
     }
 
     /// Applies one input.
@@ -205,6 +254,8 @@ impl Task {
                     self.attempt += 1;
                     self.live_grant = Some(grant_id);
                     self.due_at = None;
+                    // A decision kept for an earlier attempt can no longer apply.
+                    self.early_decision = None;
                     self.state = TaskState::Queued;
                     self.reason = Some(format!("attempt {} granted; waiting for a worker", self.attempt));
                     self.step = None;
@@ -237,12 +288,18 @@ impl Task {
             Input::Failed { grant_id, class, message, retry_after, jitter } if self.is_live(grant_id) => {
                 self.end_attempt(effects);
                 self.failed(class, message, retry_after, jitter, now, policy);
+                self.apply_early_decision(now, policy);
             }
             Input::Released { grant_id, reason, step, signal } if self.is_live(grant_id) => {
                 self.end_attempt(effects);
                 match reason {
-                    ReleaseReason::Cancelled => self.finish(TaskState::Cancelled, "cancelled before any call was made"),
-                    _ if self.cancel_requested => self.finish(TaskState::Cancelled, "cancelled"),
+                    // Earlier steps may have made paid calls; only this attempt's next call is known not to have left.
+                    ReleaseReason::Cancelled => {
+                        self.finish(TaskState::Cancelled, "cancelled; the worker stopped before its next provider call")
+                    }
+                    _ if self.cancel_requested => {
+                        self.finish(TaskState::Cancelled, "cancelled; the worker handed the attempt back before a call")
+                    }
                     ReleaseReason::Busy => {
                         self.wait_until(after(now, policy.busy_wait), "no provider or tenant slot free".to_owned());
                     }
@@ -254,9 +311,15 @@ impl Task {
                         let signal = signal.unwrap_or_default();
                         self.state = TaskState::AwaitingApproval;
                         self.reason = Some(format!("waiting for the signal `{signal}`"));
-                        self.awaiting_signal = Some(signal);
                         self.step = step;
                         self.phase = None;
+                        match self.kept_signals.iter().position(|k| k.name == signal) {
+                            Some(at) => {
+                                let kept = self.kept_signals.remove(at);
+                                self.resume(&kept.name, kept.signal_id, now, "received before the wait began");
+                            }
+                            None => self.awaiting_signal = Some(signal),
+                        }
                     }
                 }
             }
@@ -265,49 +328,111 @@ impl Task {
                 self.awaiting_evidence = true;
                 self.state = TaskState::Running;
                 self.phase = Some(phase);
-                self.reason = Some(format!("the worker was lost after `{phase}`; checking with the provider"));
+                self.reason =
+                    Some(format!("the worker was lost after `{phase}`; waiting for the evidence about its call"));
+                self.apply_early_decision(now, policy);
             }
             Input::Recovery { attempt, decision, result, case_id, jitter }
                 if self.awaiting_evidence && attempt == self.attempt =>
             {
                 self.recovered(decision, result, case_id, jitter, now, policy);
             }
+            // The decision outran the loss it answers: keep it for when the loss arrives.
+            Input::Recovery { attempt, decision, result, case_id, jitter }
+                if decision != RecoveryDecision::ReissueGrant
+                    && attempt == self.attempt
+                    && self.live_grant.is_some()
+                    && self.early_decision.is_none() =>
+            {
+                self.early_decision = Some(EarlyDecision { attempt, decision, result, case_id, jitter });
+            }
             Input::CancelRequested => self.cancel(effects),
-            Input::Signal { name }
+            Input::Signal { signal_id, .. } if self.signal_seen(&signal_id) => {}
+            Input::Signal { name, signal_id }
                 if self.state == TaskState::AwaitingApproval
                     && self.awaiting_signal.as_deref() == Some(name.as_str()) =>
             {
-                self.awaiting_signal = None;
-                self.resume_after_step = self.step.clone();
-                self.wait_until(now, format!("signal `{name}` received"));
-                self.state = TaskState::Queued;
+                self.resume(&name, signal_id, now, "received");
             }
-            Input::Resolution { action, result } if self.state == TaskState::OutcomeUnknown => match action {
-                ResolutionAction::RetryAsNew => {
-                    self.generation += 1;
-                    self.failures = 0;
-                    self.throttles = 0;
-                    self.case_id = None;
-                    self.resume_after_step = None;
-                    self.wait_until(now, format!("retry as a new operation (generation {})", self.generation));
-                    self.state = TaskState::Queued;
-                }
-                ResolutionAction::AcceptFailed => self.finish(TaskState::Failed, "accepted as failed by a person"),
-                ResolutionAction::AttachResult => {
-                    if let Some(result) = result {
-                        self.result = Some(result);
-                        self.finish(TaskState::Succeeded, "result attached by a person");
-                    }
-                }
-            },
+            // Early (the wait has not begun): kept, and consumed when the wait begins.
+            Input::Signal { name, signal_id } if self.kept_signals.len() < SIGNALS_KEPT => {
+                self.kept_signals.push(KeptSignal { name, signal_id })
+            }
+            Input::Resolution { case_id, action, result }
+                if self.awaits_a_person() && self.case_id.as_deref() == Some(case_id.as_str()) =>
+            {
+                self.resolved(action, result, now)
+            }
             Input::DeadlinePassed
                 if self.live_grant.is_none() && matches!(self.state, TaskState::Queued | TaskState::Waiting) =>
             {
                 self.finish(TaskState::Failed, "the deadline passed before the task could run");
             }
-            // Stale or duplicate: about an attempt that is not the live one.
+            // Stale or duplicate: about an attempt that is not the live one, or a case
+            // that is not the open one.
             _ => {}
         }
+    }
+
+    fn resolved(&mut self, action: ResolutionAction, result: Option<Artifact>, now: Micros) {
+        match action {
+            ResolutionAction::RetryAsNew => {
+                self.generation += 1;
+                self.failures = 0;
+                self.throttles = 0;
+                self.case_id = None;
+                self.resume_after_step = None;
+                // A new generation runs every step again, its approvals too: a
+                // signal given before this decision does not approve them.
+                self.kept_signals.clear();
+                self.wait_until(now, format!("retry as a new operation (generation {})", self.generation));
+                self.state = TaskState::Queued;
+            }
+            ResolutionAction::AcceptFailed => self.finish(TaskState::Failed, "accepted as failed by a person"),
+            ResolutionAction::AttachResult => {
+                if let Some(result) = result {
+                    self.result = Some(result);
+                    self.finish(TaskState::Succeeded, "result attached by a person");
+                }
+            }
+        }
+    }
+
+    /// Whether a signal with this id was kept or has ended a wait already.
+    fn signal_seen(&self, signal_id: &str) -> bool {
+        self.consumed_signals.iter().any(|id| id == signal_id)
+            || self.kept_signals.iter().any(|k| k.signal_id == signal_id)
+    }
+
+    /// A signal ends the wait: the next attempt resumes after the waiting step.
+    fn resume(&mut self, name: &str, signal_id: String, now: Micros, how: &str) {
+        self.awaiting_signal = None;
+        self.resume_after_step = self.step.clone();
+        self.consumed_signals.push(signal_id);
+        if self.consumed_signals.len() > SIGNALS_KEPT {
+            self.consumed_signals.remove(0);
+        }
+        self.wait_until(now, format!("signal `{name}` {how}"));
+        self.state = TaskState::Queued;
+    }
+
+    /// The attempt just ended in doubt: a decision that arrived before applies now.
+    fn apply_early_decision(&mut self, now: Micros, policy: &Policy) {
+        if !self.awaiting_evidence {
+            return;
+        }
+        if let Some(early) = self.early_decision.take().filter(|e| e.attempt == self.attempt) {
+            self.recovered(early.decision, early.result, early.case_id, early.jitter, now, policy);
+        }
+    }
+
+    /// Stops where a person must decide, under a case a resolution names.
+    fn needs_human(&mut self, reason: &str, case_id: Option<String>) {
+        if self.cancel_requested {
+            return self.finish(TaskState::Cancelled, &format!("cancelled; it had stopped for a person: {reason}"));
+        }
+        self.case_id = Some(case_id.unwrap_or_else(|| format!("needs_human-g{}-a{}", self.generation, self.attempt)));
+        self.finish(TaskState::NeedsHuman, reason);
     }
 
     fn cancel_reason(&self) -> Option<String> {
@@ -338,7 +463,7 @@ impl Task {
     fn retry_or_give_up(&mut self, why: String, retry_after: Option<Duration>, jitter: f64, now: Micros, p: &Policy) {
         self.failures += 1;
         if self.failures >= p.max_attempts {
-            self.finish(TaskState::NeedsHuman, &format!("attempts exhausted ({}): {why}", self.failures));
+            self.needs_human(&format!("attempts exhausted ({}): {why}", self.failures), None);
         } else {
             let wait = p.backoff.delay(self.failures - 1, retry_after, jitter);
             self.wait_until(after(now, wait), format!("retrying after: {why}"));
@@ -354,10 +479,14 @@ impl Task {
         now: Micros,
         p: &Policy,
     ) {
-        if self.cancel_requested && class != ErrorClass::Ambiguous {
-            return self.finish(TaskState::Cancelled, "cancelled");
-        }
         let why = format!("{class}: {message}");
+        if self.cancel_requested && class == ErrorClass::ResultMismatch {
+            let reason = format!("cancelled after a paid call whose result did not verify ({why})");
+            return self.finish(TaskState::Cancelled, &reason);
+        }
+        if self.cancel_requested && class != ErrorClass::Ambiguous {
+            return self.finish(TaskState::Cancelled, &format!("cancelled after the attempt failed ({why})"));
+        }
         match class {
             ErrorClass::Throttled | ErrorClass::Busy => {
                 self.throttles += 1;
@@ -366,14 +495,14 @@ impl Task {
             }
             ErrorClass::NotSent | ErrorClass::ProviderFailed => self.retry_or_give_up(why, retry_after, jitter, now, p),
             ErrorClass::Rejected => self.finish(TaskState::Failed, &why),
-            ErrorClass::NotAuthorised => self.finish(TaskState::NeedsHuman, &why),
+            ErrorClass::NotAuthorised => self.needs_human(&why, None),
             ErrorClass::ResultMismatch => {
-                self.finish(TaskState::NeedsHuman, &format!("{why}; the provider was paid, no automatic retry"))
+                self.needs_human(&format!("{why}; the provider was paid, no automatic retry"), None)
             }
             ErrorClass::Ambiguous => {
                 self.awaiting_evidence = true;
                 self.state = TaskState::Running;
-                self.reason = Some(format!("{why}; checking with the provider"));
+                self.reason = Some(format!("{why}; waiting for the evidence about the call"));
             }
         }
     }
@@ -388,12 +517,19 @@ impl Task {
         p: &Policy,
     ) {
         match decision {
+            // Sent both when the call never reached the provider and when the retry
+            // carries the same operation key to a provider that dedupes: say only that.
             RecoveryDecision::RetrySafe => {
                 self.awaiting_evidence = false;
                 if self.cancel_requested {
-                    return self.finish(TaskState::Cancelled, "cancelled");
+                    return self.finish(
+                        TaskState::Cancelled,
+                        "cancelled; the evidence shows the last call cannot have been charged twice",
+                    );
                 }
-                self.retry_or_give_up("the provider did not do the work".to_owned(), None, jitter, now, p);
+                let why = "the evidence shows a retry is safe (the call did not reach the provider, or the retry \
+                           carries the same operation key to a provider that deduplicates)";
+                self.retry_or_give_up(why.to_owned(), None, jitter, now, p);
             }
             RecoveryDecision::Recovered => {
                 if let Some(result) = result {
@@ -403,13 +539,15 @@ impl Task {
             }
             RecoveryDecision::OutcomeUnknown => {
                 self.case_id = case_id;
-                self.finish(
-                    TaskState::OutcomeUnknown,
-                    "the provider may have done the work and cannot be asked; a retry would be a new, billable operation",
-                );
+                let reason = "whether the provider did the work could not be established; a retry would be a new \
+                              operation the provider may bill again";
+                if self.cancel_requested {
+                    return self.finish(TaskState::Cancelled, &format!("cancelled; {reason}"));
+                }
+                self.finish(TaskState::OutcomeUnknown, reason);
             }
             RecoveryDecision::NeedsHuman => {
-                self.finish(TaskState::NeedsHuman, "the reconciler could not decide");
+                self.needs_human("the evidence about the last call needs a person's decision", case_id);
             }
             RecoveryDecision::ReissueGrant => {}
         }
@@ -417,7 +555,22 @@ impl Task {
 
     fn cancel(&mut self, effects: &mut Vec<Effect>) {
         match (self.state, self.live_grant) {
-            (TaskState::OutcomeUnknown | TaskState::NeedsHuman, _) => {}
+            // A person's cancel answers the case as well as a resolution would.
+            (TaskState::OutcomeUnknown, _) => {
+                self.cancel_requested = true;
+                self.finish(
+                    TaskState::Cancelled,
+                    "cancelled by a person; whether the provider did the last call's work was never established",
+                );
+            }
+            (TaskState::NeedsHuman, _) => {
+                self.cancel_requested = true;
+                let why = self.reason.clone().unwrap_or_default();
+                self.finish(
+                    TaskState::Cancelled,
+                    &format!("cancelled by a person; it had stopped for a person: {why}"),
+                );
+            }
             (_, Some(grant_id)) => {
                 if !self.cancel_requested {
                     self.cancel_requested = true;
@@ -427,7 +580,7 @@ impl Task {
             }
             (_, None) if self.awaiting_evidence => {
                 self.cancel_requested = true;
-                self.reason = Some("cancellation requested; the last call's outcome is being checked".to_owned());
+                self.reason = Some("cancellation requested; waiting for the evidence about the last call".to_owned());
             }
             (_, None) => self.finish(TaskState::Cancelled, "cancelled"),
         }
@@ -557,9 +710,9 @@ mod tests {
         let (task, effects) = run(
             &task,
             vec![
-                Input::Signal { name: "wrong".into() },
-                Input::Signal { name: "refund_approved".into() },
-                Input::Signal { name: "refund_approved".into() },
+                Input::Signal { name: "wrong".into(), signal_id: "w".into() },
+                Input::Signal { name: "refund_approved".into(), signal_id: "a".into() },
+                Input::Signal { name: "refund_approved".into(), signal_id: "a".into() },
                 Input::Grant { grant_id: grant(2) },
             ],
             0,
@@ -614,16 +767,125 @@ mod tests {
         .0;
         assert_eq!(unknown.state, TaskState::OutcomeUnknown);
         assert_eq!(unknown.case_id.as_deref(), Some("c1"));
-        let same = run(&unknown, vec![Input::Grant { grant_id: grant(2) }, Input::CancelRequested], 0).0;
-        assert_eq!(same, unknown);
+        let other_case =
+            Input::Resolution { case_id: "c0".into(), action: ResolutionAction::AcceptFailed, result: None };
+        let same = run(&unknown, vec![Input::Grant { grant_id: grant(2) }, other_case], 0).0;
+        assert_eq!(same, unknown, "neither a grant nor a resolution of another case moves it");
         let again = unknown
-            .apply(Input::Resolution { action: ResolutionAction::RetryAsNew, result: None }, 0, &POLICY)
+            .apply(
+                Input::Resolution { case_id: "c1".into(), action: ResolutionAction::RetryAsNew, result: None },
+                0,
+                &POLICY,
+            )
             .task
             .apply(Input::Grant { grant_id: grant(2) }, 0, &POLICY);
         assert_eq!(
             again.effects,
             vec![Effect::Dispatch { grant_id: grant(2), attempt: 2, generation: 1, resume_after_step: None }]
         );
+    }
+
+    fn recovery(attempt: u32, decision: RecoveryDecision, case_id: Option<&str>) -> Input {
+        Input::Recovery { attempt, decision, result: None, case_id: case_id.map(str::to_owned), jitter: 0.0 }
+    }
+
+    #[test]
+    fn a_decision_heard_before_the_loss_it_answers_is_applied_when_the_loss_arrives() {
+        let granted = run(&Task::accepted(0, None, None), vec![Input::Grant { grant_id: grant(1) }], 0).0;
+        let early = recovery(1, RecoveryDecision::OutcomeUnknown, Some("c1"));
+        let (task, _) = run(&granted, vec![early, Input::Lost { grant_id: grant(1), phase: Phase::CallIntent }], 0);
+        assert_eq!((task.state, task.case_id.as_deref()), (TaskState::OutcomeUnknown, Some("c1")));
+        assert!(!task.awaiting_evidence && task.early_decision.is_none());
+
+        // The same for an ambiguous failure, and a reissue decision is not mistaken for evidence.
+        let safe = vec![
+            recovery(1, RecoveryDecision::ReissueGrant, None),
+            recovery(1, RecoveryDecision::RetrySafe, None),
+            failed(grant(1), ErrorClass::Ambiguous),
+        ];
+        let task = run(&granted, safe, 0).0;
+        assert_eq!((task.state, task.failures, task.awaiting_evidence), (TaskState::Waiting, 1, false));
+        assert!(task.reason.as_deref().unwrap_or_default().contains("the same operation key"), "{:?}", task.reason);
+
+        // A decision about an earlier attempt is stale, kept or not.
+        let later = run(&task, vec![Input::Grant { grant_id: grant(2) }], i64::MAX / 2).0;
+        let stale = run(&later, vec![recovery(1, RecoveryDecision::Recovered, None)], 0).0;
+        assert_eq!(stale, later);
+    }
+
+    fn waiting_for_approval(signals_first: Vec<Input>) -> Task {
+        let mut inputs = vec![Input::Grant { grant_id: grant(1) }];
+        inputs.extend(signals_first);
+        inputs.push(Input::Released {
+            grant_id: grant(1),
+            reason: ReleaseReason::AwaitingSignal,
+            step: Some("approve".into()),
+            signal: Some("refund_approved".into()),
+        });
+        run(&Task::accepted(0, None, None), inputs, 0).0
+    }
+
+    #[test]
+    fn an_approval_given_before_the_wait_began_ends_the_wait_at_once_and_only_once() {
+        let approve = |id: &str| Input::Signal { name: "refund_approved".into(), signal_id: id.into() };
+        let task = waiting_for_approval(vec![approve("a1"), approve("a1")]);
+        assert_eq!((task.state, task.resume_after_step.as_deref()), (TaskState::Queued, Some("approve")));
+        assert!(task.kept_signals.is_empty());
+        // The same signal again cannot approve a later wait of the same name.
+        let again = run(&task, vec![approve("a1"), Input::Grant { grant_id: grant(2) }], 0).0;
+        let waits = again.apply(
+            Input::Released {
+                grant_id: grant(2),
+                reason: ReleaseReason::AwaitingSignal,
+                step: Some("approve".into()),
+                signal: Some("refund_approved".into()),
+            },
+            0,
+            &POLICY,
+        );
+        assert_eq!(waits.task.state, TaskState::AwaitingApproval);
+        assert_eq!(waiting_for_approval(vec![]).state, TaskState::AwaitingApproval);
+    }
+
+    #[test]
+    fn a_person_can_cancel_or_resolve_what_waits_for_a_person() {
+        let unknown = run(
+            &Task::accepted(0, None, None),
+            vec![
+                Input::Grant { grant_id: grant(1) },
+                Input::Lost { grant_id: grant(1), phase: Phase::CallIntent },
+                recovery(1, RecoveryDecision::OutcomeUnknown, Some("c1")),
+            ],
+            0,
+        )
+        .0;
+        let cancelled = unknown.apply(Input::CancelRequested, 0, &POLICY).task;
+        assert_eq!(cancelled.state, TaskState::Cancelled);
+        assert!(cancelled.reason.as_deref().unwrap_or_default().contains("never established"));
+
+        let granted = run(&Task::accepted(0, None, None), vec![Input::Grant { grant_id: grant(1) }], 0).0;
+        let stuck = granted.apply(failed(grant(1), ErrorClass::NotAuthorised), 0, &POLICY).task;
+        assert_eq!(stuck.state, TaskState::NeedsHuman);
+        let case = stuck.case_id.clone().expect("needs_human has a case to name");
+        assert_eq!(stuck.apply(Input::CancelRequested, 0, &POLICY).task.state, TaskState::Cancelled);
+        let retry = Input::Resolution { case_id: case, action: ResolutionAction::RetryAsNew, result: None };
+        let again = stuck.apply(retry, 0, &POLICY).task;
+        assert_eq!((again.state, again.generation, again.case_id.clone()), (TaskState::Queued, 1, None));
+
+        // A cancel heard while the evidence was awaited is applied when it arrives.
+        let doubtful = granted.apply(failed(grant(1), ErrorClass::Ambiguous), 0, &POLICY).task;
+        let asked = doubtful.apply(Input::CancelRequested, 0, &POLICY).task;
+        let decided = asked.apply(recovery(1, RecoveryDecision::OutcomeUnknown, Some("c2")), 0, &POLICY).task;
+        assert_eq!((decided.state, decided.case_id.as_deref()), (TaskState::Cancelled, Some("c2")));
+    }
+
+    #[test]
+    fn a_cancel_does_not_hide_that_a_paid_call_returned_a_bad_result() {
+        let granted = run(&Task::accepted(0, None, None), vec![Input::Grant { grant_id: grant(1) }], 0).0;
+        let asked = granted.apply(Input::CancelRequested, 0, &POLICY).task;
+        let done = asked.apply(failed(grant(1), ErrorClass::ResultMismatch), 0, &POLICY).task;
+        assert_eq!(done.state, TaskState::Cancelled);
+        assert!(done.reason.as_deref().unwrap_or_default().contains("paid call"), "{:?}", done.reason);
     }
 
     fn any_input() -> impl Strategy<Value = Input> {
@@ -661,11 +923,300 @@ mod tests {
                 }
             ),
             Just(Input::CancelRequested),
-            Just(Input::Signal { name: "go".into() }),
-            (prop::sample::select(ResolutionAction::ALL), prop::option::of(art))
-                .prop_map(|(action, result)| Input::Resolution { action, result }),
+            (0u8..3).prop_map(|n| Input::Signal { name: "go".into(), signal_id: format!("s{n}") }),
+            (
+                prop::sample::select(vec!["c", "other"]),
+                prop::sample::select(ResolutionAction::ALL),
+                prop::option::of(art)
+            )
+                .prop_map(|(case_id, action, result)| Input::Resolution {
+                    case_id: case_id.into(),
+                    action,
+                    result
+                }),
             Just(Input::DeadlinePassed),
         ]
+    }
+
+    /// What the world does with one attempt: the executor's reports and, for an
+    /// attempt that ends in doubt, the reconciler's decision.
+    #[derive(Debug, Clone)]
+    enum Script {
+        Succeed,
+        /// A clean failure of this class (never ambiguous).
+        Fail(ErrorClass),
+        /// Lost at `call_intent` (`lost`) or failed as ambiguous; then this decision.
+        Doubt {
+            lost: bool,
+            decision: RecoveryDecision,
+        },
+        /// Waits for the `go` signal, which a person sends (perhaps before the wait).
+        AwaitApproval,
+        Busy,
+    }
+
+    fn any_script() -> impl Strategy<Value = Script> {
+        let clean = prop::sample::select(vec![
+            ErrorClass::NotSent,
+            ErrorClass::Throttled,
+            ErrorClass::Rejected,
+            ErrorClass::NotAuthorised,
+            ErrorClass::ProviderFailed,
+            ErrorClass::ResultMismatch,
+        ]);
+        let decision = prop::sample::select(vec![
+            RecoveryDecision::RetrySafe,
+            RecoveryDecision::Recovered,
+            RecoveryDecision::OutcomeUnknown,
+            RecoveryDecision::NeedsHuman,
+        ]);
+        prop_oneof![
+            Just(Script::Succeed),
+            clean.prop_map(Script::Fail),
+            (any::<bool>(), decision).prop_map(|(lost, decision)| Script::Doubt { lost, decision }),
+            Just(Script::AwaitApproval),
+            Just(Script::Busy),
+        ]
+    }
+
+    /// One scripted run: what each attempt does, when a person cancels, how people
+    /// resolve, and the order in which the scheduler hears it all.
+    #[derive(Debug, Clone)]
+    struct Run {
+        attempts: Vec<Script>,
+        /// Whether a reissued grant's `reissue_grant` decision also travels, per attempt.
+        reissue_noise: bool,
+        /// After how many deliveries a person asks to cancel, if at all.
+        cancel_after: Option<usize>,
+        /// What people choose, in turn, for each case they are shown.
+        resolutions: Vec<ResolutionAction>,
+        /// The scheduler's choices: which waiting input comes next, a duplicate, or a dispatcher tick.
+        order: Vec<(u8, usize)>,
+    }
+
+    fn any_run() -> impl Strategy<Value = Run> {
+        (
+            prop::collection::vec(any_script(), 1..6),
+            any::<bool>(),
+            prop::option::of(0usize..40),
+            prop::collection::vec(prop::sample::select(ResolutionAction::ALL), 1..4),
+            prop::collection::vec((0u8..10, any::<usize>()), 0..80),
+        )
+            .prop_map(|(attempts, reissue_noise, cancel_after, resolutions, order)| Run {
+                attempts,
+                reissue_noise,
+                cancel_after,
+                resolutions,
+                order,
+            })
+    }
+
+    /// A person names the case they read (a task in `needs_human` always has one).
+    fn resolution(action: ResolutionAction, result: Option<Artifact>, case_id: Option<String>) -> Input {
+        Input::Resolution { case_id: case_id.unwrap_or_default(), action, result }
+    }
+
+    /// The world around one task: the executor, the reconciler and people produce
+    /// inputs; the scheduler hears them in the run's order, with duplicates.
+    struct World {
+        run: Run,
+        task: Task,
+        now: Micros,
+        pending: Vec<Input>,
+        heard: Vec<Input>,
+        next_grant: u128,
+        resolved: usize,
+        /// The case (or the state, for a case without an id) people were last shown.
+        shown: Option<(TaskState, Option<String>)>,
+        cancel_heard: bool,
+        /// Distinct signals people sent, and waits that ended.
+        signals_sent: usize,
+        waits_ended: usize,
+        /// The decision scripted for each attempt that ended in doubt, until it shows.
+        owed: Vec<(u32, RecoveryDecision)>,
+    }
+
+    fn art() -> Artifact {
+        Artifact { uri: "u".into(), sha256: "s".into(), size_bytes: 1 }
+    }
+
+    impl World {
+        fn new(run: Run) -> Self {
+            World {
+                run,
+                task: Task::accepted(0, None, None),
+                now: 0,
+                pending: Vec::new(),
+                heard: Vec::new(),
+                next_grant: 1,
+                resolved: 0,
+                shown: None,
+                cancel_heard: false,
+                signals_sent: 0,
+                waits_ended: 0,
+                owed: Vec::new(),
+            }
+        }
+
+        /// The executor runs a granted attempt at once; the reconciler decides a
+        /// doubtful end at once too. The scheduler may hear any of it in any order.
+        fn executor(&mut self, grant_id: GrantId, attempt: u32) {
+            let script = self.run.attempts.get(attempt as usize - 1).cloned().unwrap_or(Script::Succeed);
+            self.pending.push(Input::Claimed { grant_id });
+            self.pending.push(Input::Progress { grant_id, step: "s".into(), phase: Phase::CallIntent });
+            let failed = |class| Input::Failed { grant_id, class, message: "m".into(), retry_after: None, jitter: 0.5 };
+            if self.run.reissue_noise {
+                self.pending.push(Input::Recovery {
+                    attempt,
+                    decision: RecoveryDecision::ReissueGrant,
+                    result: None,
+                    case_id: None,
+                    jitter: 0.5,
+                });
+            }
+            match script {
+                Script::Succeed => self.pending.push(Input::Succeeded { grant_id, result: art() }),
+                Script::Fail(class) => self.pending.push(failed(class)),
+                Script::Doubt { lost, decision } => {
+                    self.pending.push(if lost {
+                        Input::Lost { grant_id, phase: Phase::CallIntent }
+                    } else {
+                        failed(ErrorClass::Ambiguous)
+                    });
+                    let case_id = (decision == RecoveryDecision::OutcomeUnknown).then(|| format!("case-{attempt}"));
+                    let result = (decision == RecoveryDecision::Recovered).then(art);
+                    self.pending.push(Input::Recovery { attempt, decision, result, case_id, jitter: 0.5 });
+                    self.owed.push((attempt, decision));
+                }
+                Script::AwaitApproval => {
+                    self.pending.push(Input::Released {
+                        grant_id,
+                        reason: ReleaseReason::AwaitingSignal,
+                        step: Some("approve".into()),
+                        signal: Some("go".into()),
+                    });
+                    self.pending.push(Input::Signal { name: "go".into(), signal_id: format!("go-{attempt}") });
+                    self.signals_sent += 1;
+                }
+                Script::Busy => self.pending.push(Input::Released {
+                    grant_id,
+                    reason: ReleaseReason::Busy,
+                    step: None,
+                    signal: None,
+                }),
+            }
+        }
+
+        /// The scheduler applies one input; the world reacts to its effects.
+        fn hear(&mut self, input: Input) -> Result<(), TestCaseError> {
+            let before = self.task.clone();
+            let t = before.apply(input.clone(), self.now, &POLICY);
+            // Grants are the scheduler's own decisions, each with a fresh id: only events are redelivered.
+            if !matches!(input, Input::Grant { .. }) {
+                self.heard.push(input.clone());
+            }
+            if matches!(input, Input::CancelRequested) && !before.is_final() {
+                self.cancel_heard = true;
+            }
+            for effect in &t.effects {
+                if let Effect::Dispatch { grant_id, attempt, .. } = effect {
+                    prop_assert!(!self.cancel_heard, "a new attempt after a cancel was heard: the cancel was lost");
+                    self.executor(*grant_id, *attempt);
+                }
+            }
+            // A wait ends with a signal: one heard now, or one kept from before it began.
+            let waited = before.state == TaskState::AwaitingApproval
+                || matches!(input, Input::Released { reason: ReleaseReason::AwaitingSignal, grant_id, .. }
+                    if before.live_grant == Some(grant_id));
+            if waited && t.task.state == TaskState::Queued {
+                self.waits_ended += 1;
+                prop_assert!(self.waits_ended <= self.signals_sent, "a wait ended without a signal of its own");
+            }
+            // The doubtful attempt's decision shows once it is applied.
+            if before.attempt == t.task.attempt
+                && !t.task.awaiting_evidence
+                && let Some(at) = self.owed.iter().position(|(n, _)| *n == t.task.attempt)
+            {
+                let ended = before.awaiting_evidence
+                    || matches!(&input, Input::Lost { grant_id, .. } | Input::Failed { grant_id, .. }
+                        if before.live_grant == Some(*grant_id));
+                if ended {
+                    let (_, decision) = self.owed.remove(at);
+                    let state = t.task.state;
+                    let fits = match decision {
+                        RecoveryDecision::RetrySafe => {
+                            matches!(state, TaskState::Waiting | TaskState::NeedsHuman | TaskState::Cancelled)
+                        }
+                        RecoveryDecision::Recovered => state == TaskState::Succeeded,
+                        RecoveryDecision::OutcomeUnknown => {
+                            matches!(state, TaskState::OutcomeUnknown | TaskState::Cancelled)
+                        }
+                        _ => matches!(state, TaskState::NeedsHuman | TaskState::Cancelled),
+                    };
+                    prop_assert!(fits, "attempt ended in doubt; decision {decision:?} but the task is {state:?}");
+                }
+            }
+            self.task = t.task;
+            // A person reads each new case (or each new needs_human) and answers it once.
+            let shown = (self.task.state, self.task.case_id.clone());
+            if matches!(self.task.state, TaskState::OutcomeUnknown | TaskState::NeedsHuman)
+                && self.shown.as_ref() != Some(&shown)
+            {
+                self.shown = Some(shown);
+                let mut action = self.run.resolutions[self.resolved % self.run.resolutions.len()];
+                if self.resolved >= 2 {
+                    action = ResolutionAction::AcceptFailed;
+                }
+                self.resolved += 1;
+                let result = (action == ResolutionAction::AttachResult).then(art);
+                self.pending.push(resolution(action, result, self.task.case_id.clone()));
+            }
+            Ok(())
+        }
+
+        fn tick(&mut self, by: Micros) -> Result<(), TestCaseError> {
+            self.now += by;
+            let grant_id = grant(1_000 + self.next_grant);
+            self.next_grant += 1;
+            self.hear(Input::Grant { grant_id })
+        }
+
+        fn play(&mut self) -> Result<(), TestCaseError> {
+            let order = self.run.order.clone();
+            for (n, (what, pick)) in order.into_iter().enumerate() {
+                if self.run.cancel_after == Some(n) {
+                    self.pending.push(Input::CancelRequested);
+                }
+                match what {
+                    0 | 1 => self.tick(i64::try_from(pick % 20_000_000).unwrap_or(0))?,
+                    2 if !self.heard.is_empty() => {
+                        let again = self.heard[pick % self.heard.len()].clone();
+                        self.hear(again)?;
+                    }
+                    _ if !self.pending.is_empty() => {
+                        let input = self.pending.remove(pick % self.pending.len());
+                        self.hear(input)?;
+                    }
+                    _ => self.tick(1_000)?,
+                }
+            }
+            if self.run.cancel_after.is_some_and(|n| n >= self.run.order.len()) {
+                self.pending.push(Input::CancelRequested);
+            }
+            // Then everything still on its way arrives, and timers fire, until nothing moves.
+            for _ in 0..500 {
+                if !self.pending.is_empty() {
+                    let input = self.pending.remove(0);
+                    self.hear(input)?;
+                } else if let Some(due) = self.task.due_at.filter(|_| self.task.live_grant.is_none()) {
+                    self.now = self.now.max(due);
+                    self.tick(0)?;
+                } else {
+                    break;
+                }
+            }
+            Ok(())
+        }
     }
 
     proptest! {
@@ -679,6 +1230,8 @@ mod tests {
             let mut last_attempt = 0;
             // Set by an ambiguous outcome; cleared only by evidence or a person.
             let mut evidence_owed = false;
+            // Attempts some evidence (a recovery decision) was heard for.
+            let mut decided: Vec<u32> = Vec::new();
             for input in inputs {
                 now += 1_000_000_000;
                 let before = task.clone();
@@ -695,12 +1248,37 @@ mod tests {
                     prop_assert_eq!(&t.task, &before, "a final state changed");
                 }
                 if before.state == TaskState::OutcomeUnknown && t.task.state != before.state {
-                    prop_assert!(matches!(input, Input::Resolution { .. }), "outcome unknown left without a person");
+                    prop_assert!(
+                        matches!(input, Input::Resolution { .. } | Input::CancelRequested),
+                        "outcome unknown left without a person"
+                    );
+                }
+                if let Input::Resolution { case_id, .. } = &input
+                    && before.case_id.as_deref() != Some(case_id.as_str())
+                {
+                    prop_assert_eq!(&t.task, &before, "a resolution of another case changed the task");
+                }
+                if t.task.awaits_a_person() {
+                    prop_assert!(t.task.case_id.is_some(), "a person is asked without a case to name");
                 }
                 let busy = matches!(input, Input::Released { reason: ReleaseReason::Busy, .. })
                     || matches!(input, Input::Failed { class: ErrorClass::Busy | ErrorClass::Throttled, .. });
                 if busy {
                     prop_assert_eq!(t.task.failures, before.failures, "busy consumed an attempt");
+                }
+                if let Input::Recovery { attempt, decision, .. } = &input
+                    && *decision != RecoveryDecision::ReissueGrant
+                {
+                    decided.push(*attempt);
+                }
+                // The live attempt just ended in doubt; a decision heard earlier may settle it at once.
+                let ended_in_doubt = before.live_grant.is_some_and(|g| match &input {
+                    Input::Lost { grant_id, .. } => *grant_id == g,
+                    Input::Failed { grant_id, class: ErrorClass::Ambiguous, .. } => *grant_id == g,
+                    _ => false,
+                });
+                if ended_in_doubt && !t.task.awaiting_evidence {
+                    prop_assert!(decided.contains(&before.attempt), "an ambiguous end settled without evidence");
                 }
                 let ambiguous_now = t.task.awaiting_evidence && !before.awaiting_evidence;
                 let resolved = matches!(input, Input::Recovery { .. } | Input::Resolution { .. });
@@ -711,6 +1289,20 @@ mod tests {
                 }
                 task = t.task;
             }
+        }
+
+        /// Liveness under any order of the same inputs (duplicates, reorders across
+        /// and within topics): every attempt that ended in doubt gets its decision
+        /// applied, a cancel is never lost, and every task ends where a person or the
+        /// system moves it on, so once people answer what they are shown it is final.
+        #[test]
+        fn every_task_settles_whatever_order_its_inputs_arrive_in(run in any_run()) {
+            let mut world = World::new(run);
+            world.play()?;
+            let task = &world.task;
+            prop_assert!(!task.awaiting_evidence, "still waiting for a decision that was sent: {task:?}");
+            prop_assert!(world.owed.is_empty(), "decisions never applied: {:?}", world.owed);
+            prop_assert!(task.is_final(), "the task never settled: {task:?}\nheard: {:?}", world.heard);
         }
     }
 }

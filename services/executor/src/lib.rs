@@ -1,6 +1,8 @@
 //! Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints.
 
+mod call;
 pub mod grants;
+mod record;
 pub mod worker;
 
 use std::collections::HashMap;

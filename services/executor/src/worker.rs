@@ -1,31 +1,30 @@
 //! Workers: claim an execution with a lease and a fencing token, keep the lease
 //! alive by heartbeat, and walk the kind's steps through the recorded phases
 //! `claimed → step_started → call_intent → provider_accepted → result_recorded →
-//! finished`. Each phase is its own short transaction, conditional on the fencing
-//! token and the expected phase; no transaction or pooled connection is held while
-//! the provider is called. A takeover after `call_intent` reports `AttemptLost` and
-//! does nothing else: the reconciler decides.
+//! finished`. Each phase is its own short fenced transaction (`record.rs`); no
+//! transaction or pooled connection is held while the provider is called
+//! (`call.rs`). A takeover after `call_intent` reports `AttemptLost` and does
+//! nothing else: the reconciler decides.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fenceline_bus::{OutboxWriter, fault};
-use fenceline_config::catalog::{Catalog, StepSpec};
-use fenceline_domain::calls::{CallOutcome, classify, operation_key};
+use fenceline_bus::OutboxWriter;
+use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{
-    ArtifactRef, AttemptClaimed, AttemptFailed, AttemptLost, AttemptReleased, AttemptSucceeded, AwaitingSignal,
-    CallIntentRecorded, Event, ProviderAccepted, StepCheckpointed, Timestamp, topics,
+    ArtifactRef, AttemptClaimed, AttemptLost, AttemptSucceeded, AwaitingSignal, Event, Timestamp, topics,
 };
-use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult};
-use sqlx::{PgConnection, PgPool};
+use fenceline_providers::HttpProvider;
+use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::ExecutorSettings;
+use crate::record::{Status, Transition, released};
 
 /// Why a worker stopped an execution early.
 #[derive(Debug, thiserror::Error)]
@@ -91,21 +90,29 @@ pub struct Workers {
 
 /// A worker's hold on one execution.
 #[derive(Debug, Clone)]
-struct Lease {
-    grant_id: GrantId,
-    task_id: TaskId,
-    attempt: i32,
-    generation: i32,
-    token: i64,
+pub(crate) struct Lease {
+    pub grant_id: GrantId,
+    pub task_id: TaskId,
+    pub attempt: i32,
+    pub generation: i32,
+    pub token: i64,
     /// The phase this worker last wrote (the expected phase of its next write).
-    phase: Phase,
+    pub phase: Phase,
     /// Until when the lease surely holds (micros), as of the last renewal.
     valid_until: Arc<std::sync::atomic::AtomicI64>,
+    /// Cancelled when a renewal found that another worker holds the execution.
+    pub fenced: CancellationToken,
 }
 
 impl Lease {
-    fn holds(&self) -> bool {
+    /// Whether the lease still holds as of its last renewal.
+    pub fn holds(&self) -> bool {
         Timestamp::now().0 < self.valid_until.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether another worker is known to hold the execution now.
+    pub fn fenced(&self) -> bool {
+        self.fenced.is_cancelled()
     }
 }
 
@@ -168,7 +175,7 @@ impl Workers {
         let Some(claim) = claimed else {
             return Ok(None);
         };
-        let phase: Phase = claim.phase.parse().unwrap_or(Phase::Claimed);
+        let phase = read_phase(&claim.phase);
         let task_id = TaskId::from_uuid(claim.task_id);
         let grant_id = GrantId::from_uuid(claim.grant_id);
         if claim.takeover && matches!(phase, Phase::CallIntent | Phase::ProviderAccepted) {
@@ -218,19 +225,19 @@ impl Workers {
             attempt: claim.attempt,
             generation: claim.generation,
             token: claim.fencing_token,
-            phase: claim.phase.parse().unwrap_or(Phase::Claimed),
+            phase: read_phase(&claim.phase),
             valid_until: Arc::new(std::sync::atomic::AtomicI64::new(claim.lease_expires_at_us)),
+            fenced: CancellationToken::new(),
         };
-        let fenced = CancellationToken::new();
-        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), fenced.clone()));
-        let result = self.steps(&claim, &mut lease, shutdown, &fenced).await;
+        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
+        let result = self.steps(&claim, &mut lease, shutdown).await;
         heartbeat.abort();
         result
     }
 
     /// Renews the lease every third of its length; a renewal that matches no row
     /// means another worker took over.
-    async fn heartbeat(self, lease: Lease, fenced: CancellationToken) {
+    async fn heartbeat(self, lease: Lease) {
         let every = Duration::from_millis(self.settings.lease_ms / 3);
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         loop {
@@ -248,7 +255,7 @@ impl Workers {
             .await;
             match renewed {
                 Ok(r) if r.rows_affected() == 0 => {
-                    fenced.cancel();
+                    lease.fenced.cancel();
                     return;
                 }
                 Ok(_) => lease.valid_until.store(now + lease_us, std::sync::atomic::Ordering::Release),
@@ -257,17 +264,10 @@ impl Workers {
         }
     }
 
-    async fn steps(
-        &self,
-        claim: &ClaimRow,
-        lease: &mut Lease,
-        shutdown: &CancellationToken,
-        fenced: &CancellationToken,
-    ) -> Result<(), Stop> {
+    async fn steps(&self, claim: &ClaimRow, lease: &mut Lease, shutdown: &CancellationToken) -> Result<(), Stop> {
         let Some(kind) = self.catalog.kind(&claim.kind) else {
-            return self
-                .fail(lease, ErrorClass::Rejected, &format!("no kind `{}` in the catalogue", claim.kind), None, false)
-                .await;
+            let message = format!("no kind `{}` in the catalogue", claim.kind);
+            return self.fail(lease, ErrorClass::Rejected, &message, None, false, None).await;
         };
         if claim.cancel_requested {
             return self.release(lease, ReleaseReason::Cancelled).await;
@@ -285,7 +285,7 @@ impl Workers {
                 outputs.insert(step.name.clone(), output.clone());
                 continue;
             }
-            if fenced.is_cancelled() {
+            if lease.fenced() {
                 return Err(Stop::Fenced);
             }
             match step.approval_signal.as_deref() {
@@ -308,10 +308,8 @@ impl Workers {
             }
         }
         let Some(result) = last else {
-            return self.fail(lease, ErrorClass::Rejected, "the kind produced no result", None, false).await;
+            return self.fail(lease, ErrorClass::Rejected, "the kind produced no result", None, false, None).await;
         };
-        let mut tx = self.pool.begin().await?;
-        self.advance(&mut tx, lease, Phase::Finished, None, "succeeded").await?;
         let event = Event::AttemptSucceeded(AttemptSucceeded {
             task_id: lease.task_id,
             attempt: lease.attempt,
@@ -319,187 +317,7 @@ impl Workers {
             result,
             finished_at: Timestamp::now(),
         });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-        tx.commit().await?;
-        self.outbox.committed();
-        Ok(())
-    }
-
-    /// One paid step. `Ok(Some(result))`: checkpointed; `Ok(None)`: the attempt
-    /// ended here (failed, released) and its event is written.
-    async fn call_step(
-        &self,
-        step: &StepSpec,
-        lease: &mut Lease,
-        input: serde_json::Value,
-        shutdown: &CancellationToken,
-        deadline_us: i64,
-    ) -> Result<Option<ArtifactRef>, Stop> {
-        let Some((provider_name, operation)) = step.call() else {
-            return Ok(None);
-        };
-        let Some(provider) = self.providers.get(provider_name) else {
-            self.fail(lease, ErrorClass::Rejected, &format!("no provider `{provider_name}`"), None, false).await?;
-            return Ok(None);
-        };
-        // Before the intent, cancellation and shutdown still cost nothing.
-        let mut tx = self.pool.begin().await?;
-        self.advance(&mut tx, lease, Phase::StepStarted, Some(&step.name), "running").await?;
-        let cancelled: bool = sqlx::query_scalar("SELECT cancel_requested FROM executions WHERE grant_id = $1")
-            .bind(lease.grant_id.as_uuid())
-            .fetch_one(&mut *tx)
-            .await?;
-        let seq: i32 = sqlx::query_scalar(
-            "INSERT INTO call_sequences (task_id, generation, step) VALUES ($1, $2, $3) \
-             ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq",
-        )
-        .bind(lease.task_id.as_uuid())
-        .bind(lease.generation)
-        .bind(&step.name)
-        .fetch_one(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        if cancelled || shutdown.is_cancelled() {
-            let reason = if cancelled { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
-            self.release(lease, reason).await?;
-            return Ok(None);
-        }
-        fault!("executor.before_call_intent");
-        let key = operation_key(
-            lease.task_id,
-            &step.name,
-            u32::try_from(lease.generation).unwrap_or_default(),
-            u32::try_from(seq).unwrap_or_default(),
-        );
-        let mut tx = self.pool.begin().await?;
-        self.advance_call(&mut tx, lease, Phase::CallIntent, &key, None).await?;
-        let event = Event::CallIntentRecorded(CallIntentRecorded {
-            task_id: lease.task_id,
-            attempt: lease.attempt,
-            step: step.name.clone(),
-            operation_key: key.clone(),
-            provider: provider_name.to_owned(),
-            recorded_at: Timestamp::now(),
-        });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-        tx.commit().await?;
-        self.outbox.committed();
-        fault!("executor.after_call_intent");
-        if !lease.holds() {
-            return Err(Stop::LeaseLapsed);
-        }
-
-        let mut answer = provider.start(operation, input, &key).await;
-        fault!("executor.after_provider_answer");
-        loop {
-            match answer {
-                CallAnswer::Accepted { request_id } => {
-                    if lease.phase != Phase::ProviderAccepted {
-                        let mut tx = self.pool.begin().await?;
-                        self.advance_call(&mut tx, lease, Phase::ProviderAccepted, &key, Some(&request_id)).await?;
-                        let event = Event::ProviderAccepted(ProviderAccepted {
-                            task_id: lease.task_id,
-                            attempt: lease.attempt,
-                            step: step.name.clone(),
-                            operation_key: key.clone(),
-                            provider_request_id: request_id.clone(),
-                            accepted_at: Timestamp::now(),
-                        });
-                        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-                        tx.commit().await?;
-                        self.outbox.committed();
-                    }
-                    if Timestamp::now().0 >= deadline_us {
-                        let message = format!("accepted as {request_id}, no result within the attempt budget");
-                        self.fail(lease, ErrorClass::Ambiguous, &message, None, true).await?;
-                        return Ok(None);
-                    }
-                    tokio::time::sleep(Duration::from_millis(self.settings.poll_ms)).await;
-                    answer = provider.poll(&request_id).await;
-                }
-                CallAnswer::Done { request_id, result } => {
-                    return self.record_result(lease, &step.name, provider, &request_id, result).await;
-                }
-                CallAnswer::Outcome(outcome) => {
-                    let class = classify(&outcome, provider.overrides());
-                    let Some(class) = class else {
-                        self.fail(lease, ErrorClass::Ambiguous, "a success without a readable answer", None, true)
-                            .await?;
-                        return Ok(None);
-                    };
-                    let message = describe(&outcome);
-                    if !class.money_may_have_been_spent {
-                        // A definite "nothing was done": the next try is a new operation.
-                        sqlx::query(
-                            "UPDATE call_sequences SET seq = seq + 1 WHERE task_id = $1 AND generation = $2 AND step = $3",
-                        )
-                        .bind(lease.task_id.as_uuid())
-                        .bind(lease.generation)
-                        .bind(&step.name)
-                        .execute(&self.pool)
-                        .await?;
-                    }
-                    self.fail(lease, class.class, &message, class.retry_after, class.money_may_have_been_spent).await?;
-                    return Ok(None);
-                }
-            }
-        }
-    }
-
-    async fn record_result(
-        &self,
-        lease: &mut Lease,
-        step: &str,
-        provider: &HttpProvider,
-        request_id: &str,
-        result: ProviderResult,
-    ) -> Result<Option<ArtifactRef>, Stop> {
-        // A result that cannot be fetched is as unverified as one that does not match.
-        if let Err(e) = provider.verify(&result).await {
-            self.fail(lease, ErrorClass::ResultMismatch, &format!("{request_id}: {e}"), None, true).await?;
-            return Ok(None);
-        }
-        let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
-        let output = serde_json::to_value(&artifact).unwrap_or_default();
-        self.checkpoint(lease, step, &output, Some(&artifact.sha256)).await?;
-        fault!("executor.after_result_recorded");
-        Ok(Some(artifact))
-    }
-
-    /// Records a finished step (`result_recorded`) with its output and announces it.
-    async fn checkpoint(
-        &self,
-        lease: &mut Lease,
-        step: &str,
-        output: &serde_json::Value,
-        sha256: Option<&str>,
-    ) -> Result<(), Stop> {
-        let sha = sha256.map_or_else(|| hex_sha(output), str::to_owned);
-        let mut tx = self.pool.begin().await?;
-        self.advance(&mut tx, lease, Phase::ResultRecorded, Some(step), "running").await?;
-        sqlx::query(
-            "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-        )
-        .bind(lease.task_id.as_uuid())
-        .bind(lease.generation)
-        .bind(step)
-        .bind(output)
-        .bind(&sha)
-        .bind(lease.attempt)
-        .execute(&mut *tx)
-        .await?;
-        let event = Event::StepCheckpointed(StepCheckpointed {
-            task_id: lease.task_id,
-            attempt: lease.attempt,
-            step: step.to_owned(),
-            output_ref: format!("checkpoint:{}:{}:{step}", lease.task_id, lease.generation),
-            sha256: sha,
-            checkpointed_at: Timestamp::now(),
-        });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-        tx.commit().await?;
-        self.outbox.committed();
+        self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[event]).await?;
         Ok(())
     }
 
@@ -515,8 +333,6 @@ impl Workers {
 
     /// An approval: announce the wait and give the grant back; nothing is held.
     async fn await_signal(&self, lease: &mut Lease, step: &str, signal: &str) -> Result<(), Stop> {
-        let mut tx = self.pool.begin().await?;
-        self.advance(&mut tx, lease, Phase::StepStarted, Some(step), "released").await?;
         let waiting = Event::AwaitingSignal(AwaitingSignal {
             task_id: lease.task_id,
             attempt: lease.attempt,
@@ -524,127 +340,25 @@ impl Workers {
             signal_name: signal.to_owned(),
             since: Timestamp::now(),
         });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &waiting).await?;
-        self.outbox
-            .append(&mut tx, topics::ATTEMPTS, None, &self.released(lease, ReleaseReason::AwaitingSignal))
-            .await?;
-        tx.commit().await?;
-        self.outbox.committed();
-        Ok(())
-    }
-
-    fn released(&self, lease: &Lease, reason: ReleaseReason) -> Event {
-        Event::AttemptReleased(AttemptReleased {
-            task_id: lease.task_id,
-            attempt: lease.attempt,
-            grant_id: lease.grant_id,
-            reason,
-            released_at: Timestamp::now(),
-        })
-    }
-
-    async fn release(&self, lease: &mut Lease, reason: ReleaseReason) -> Result<(), Stop> {
-        let mut tx = self.pool.begin().await?;
-        let phase = lease.phase;
-        self.advance(&mut tx, lease, phase, None, "released").await?;
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &self.released(lease, reason)).await?;
-        tx.commit().await?;
-        self.outbox.committed();
-        info!(task_id = %lease.task_id, %reason, "attempt released before any call");
-        Ok(())
-    }
-
-    async fn fail(
-        &self,
-        lease: &mut Lease,
-        class: ErrorClass,
-        message: &str,
-        retry_after: Option<Duration>,
-        spent: bool,
-    ) -> Result<(), Stop> {
-        let mut tx = self.pool.begin().await?;
-        let phase = lease.phase;
-        self.advance(&mut tx, lease, phase, None, "failed").await?;
-        let event = Event::AttemptFailed(AttemptFailed {
-            task_id: lease.task_id,
-            attempt: lease.attempt,
-            grant_id: lease.grant_id,
-            error_class: class,
-            message: message.to_owned(),
-            retry_after_ms: retry_after.and_then(|d| i64::try_from(d.as_millis()).ok()),
-            money_may_have_been_spent: spent,
-            failed_at: Timestamp::now(),
-        });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-        tx.commit().await?;
-        self.outbox.committed();
-        info!(task_id = %lease.task_id, %class, message, "attempt failed");
-        Ok(())
-    }
-
-    /// Moves to `phase` (and `status`) if this worker still holds the execution at
-    /// the phase it last wrote.
-    async fn advance(
-        &self,
-        tx: &mut PgConnection,
-        lease: &mut Lease,
-        phase: Phase,
-        step: Option<&str>,
-        status: &str,
-    ) -> Result<(), Stop> {
-        let updated = sqlx::query(
-            "UPDATE executions SET phase = $4, phase_at_us = $5, step = COALESCE($6, step), status = $7 \
-             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running'",
-        )
-        .bind(lease.grant_id.as_uuid())
-        .bind(lease.token)
-        .bind(lease.phase.as_str())
-        .bind(phase.as_str())
-        .bind(Timestamp::now().0)
-        .bind(step)
-        .bind(status)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if updated == 0 {
-            return Err(Stop::Fenced);
-        }
-        lease.phase = phase;
-        Ok(())
-    }
-
-    async fn advance_call(
-        &self,
-        tx: &mut PgConnection,
-        lease: &mut Lease,
-        phase: Phase,
-        key: &str,
-        request_id: Option<&str>,
-    ) -> Result<(), Stop> {
-        self.advance(tx, lease, phase, None, "running").await?;
-        sqlx::query(
-            "UPDATE executions SET operation_key = $2, provider_request_id = COALESCE($3, provider_request_id) \
-             WHERE grant_id = $1",
-        )
-        .bind(lease.grant_id.as_uuid())
-        .bind(key)
-        .bind(request_id)
-        .execute(&mut *tx)
-        .await?;
+        let events = [waiting, released(lease, ReleaseReason::AwaitingSignal)];
+        let transition = Transition::to(Phase::StepStarted).step(step).status(Status::Released);
+        self.record(lease, transition, &events).await?;
         Ok(())
     }
 }
 
-fn hex_sha(value: &serde_json::Value) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(Sha256::digest(value.to_string().as_bytes()))
+/// A stored phase, read in the safe direction: one that cannot be read is taken
+/// for `call_intent` (a call may have left), never for "nothing was sent".
+fn read_phase(stored: &str) -> Phase {
+    stored.parse().unwrap_or(Phase::CallIntent)
 }
 
-fn describe(outcome: &CallOutcome) -> String {
-    match outcome {
-        CallOutcome::NotSent => "the request was not sent".to_owned(),
-        CallOutcome::Answered { status, .. } => format!("the provider answered {status}"),
-        CallOutcome::TimedOutAfterSend => "no answer within the call timeout after sending".to_owned(),
-        CallOutcome::ResetMidResponse => "the connection broke before the answer was read".to_owned(),
-    }
+/// A draw in `[0, 1)` for full jitter; unpredictable enough to spread workers
+/// apart, and without a dependency of its own.
+pub(crate) fn jitter() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher
+        .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -3,11 +3,11 @@
 //! reconciler (look-ups, capabilities) read alike. Providers are configured, not
 //! coded (DESIGN.md section 8).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
-use fenceline_domain::calls::ProviderCapabilities;
+use fenceline_domain::calls::{ErrorTable, GATEWAY_STATUSES, ProviderCapabilities};
 use fenceline_domain::vocabulary::ErrorClass;
 use serde::Deserialize;
 
@@ -43,6 +43,11 @@ pub struct ProviderSpec {
     /// Status codes this provider uses its own way, mapped to an error class.
     #[serde(default)]
     pub status_overrides: HashMap<u16, String>,
+    /// 5xx statuses this provider answers, with its problem body, only when it did
+    /// no work (default: none, so every 5xx may have done the work and is
+    /// ambiguous). 502 and 504 are a gateway's and can never be declared safe.
+    #[serde(default)]
+    pub safe_5xx: BTreeSet<u16>,
 }
 
 /// What a provider declares it can do.
@@ -110,6 +115,15 @@ impl ProviderSpec {
     pub fn overrides(&self) -> HashMap<u16, ErrorClass> {
         self.status_overrides.iter().filter_map(|(code, class)| Some((*code, class.parse().ok()?))).collect()
     }
+
+    /// How this provider's answers are read (docs/provider-protocol.md).
+    pub fn error_table(&self) -> ErrorTable {
+        ErrorTable {
+            overrides: self.overrides(),
+            safe_5xx: self.safe_5xx.clone(),
+            dedupes: self.capabilities.idempotency_keys,
+        }
+    }
 }
 
 impl KindSpec {
@@ -136,13 +150,31 @@ impl Catalog {
     }
 
     /// Parses and checks a catalogue: every step names a known provider or a
-    /// signal, status overrides are known classes, and timeouts nest (one call
-    /// is shorter than the attempt that makes it).
+    /// signal, status overrides are known classes, a 5xx is declared safe only if
+    /// a gateway cannot answer it, an override turns no undeclared 5xx into
+    /// "nothing done", and timeouts nest (one call is shorter than the attempt
+    /// that makes it).
     pub fn parse(text: &str) -> Result<Self, Error> {
         let catalog: Catalog = serde_json::from_str(text).map_err(|e| Error(format!("catalogue: {e}")))?;
         for (name, provider) in &catalog.providers {
-            for class in provider.status_overrides.values() {
-                class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
+            for status in &provider.safe_5xx {
+                if !(500..=599).contains(status) || GATEWAY_STATUSES.contains(status) {
+                    return Err(Error(format!(
+                        "provider `{name}`: safe_5xx may name 5xx statuses other than 502 and 504 (a gateway's \
+                         answers after it forwarded the request), not {status}"
+                    )));
+                }
+            }
+            for (status, class) in &provider.status_overrides {
+                let class = class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
+                // An undeclared 5xx may have done the work: an override must not hide that.
+                if (500..=599).contains(status) && class != ErrorClass::Ambiguous && !provider.safe_5xx.contains(status)
+                {
+                    return Err(Error(format!(
+                        "provider `{name}`: status_overrides maps {status} to `{class}`, but {status} may have done \
+                         the work unless it is listed in safe_5xx"
+                    )));
+                }
             }
             if provider.concurrency == 0 || provider.rate_per_second <= 0.0 || provider.burst < 1.0 {
                 return Err(Error(format!(
@@ -231,7 +263,22 @@ mod tests {
         assert_eq!(kind.steps[1].call(), Some(("img", "pay")));
         assert_eq!(kind.step_index_after(None), 0);
         assert_eq!(kind.step_index_after(Some("approve")), 1);
-        assert_eq!(catalog.provider("img").expect("img").overrides().get(&409), Some(&ErrorClass::Ambiguous));
+        let img = catalog.provider("img").expect("img");
+        assert_eq!(img.overrides().get(&409), Some(&ErrorClass::Ambiguous));
+        assert!(img.error_table().safe_5xx.is_empty(), "no 5xx is safe unless declared");
+    }
+
+    #[test]
+    fn a_provider_may_declare_its_own_5xx_safe_and_then_override_it() {
+        let text = GOOD.replace("\"409\": \"ambiguous\"", "\"503\": \"throttled\"").replace(
+            "\"burst\": 5,",
+            "\"burst\": 5, \"safe_5xx\": [500, 503], \"capabilities\": {\"idempotency_keys\": true},",
+        );
+        let catalog = Catalog::parse(&text).expect("valid");
+        let table = catalog.provider("img").expect("img").error_table();
+        assert_eq!(table.safe_5xx, BTreeSet::from([500, 503]));
+        assert_eq!(table.overrides.get(&503), Some(&ErrorClass::Throttled));
+        assert!(table.dedupes);
     }
 
     #[test]
@@ -242,6 +289,9 @@ mod tests {
             (GOOD.replace("\"ambiguous\"", "\"maybe\""), "not a known error class"),
             (GOOD.replace("\"concurrency\": 2", "\"concurrency\": 0"), "must be positive"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"colour\": 1,"), "unknown field"),
+            (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"safe_5xx\": [504],"), "not 504"),
+            (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"safe_5xx\": [429],"), "not 429"),
+            (GOOD.replace("\"409\": \"ambiguous\"", "\"503\": \"throttled\""), "unless it is listed in safe_5xx"),
         ];
         for (text, expected) in cases {
             let err = Catalog::parse(&text).expect_err(expected).to_string();

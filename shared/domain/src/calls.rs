@@ -1,9 +1,9 @@
-//! Provider calls as pure decisions (DESIGN.md sections 1 and 6): the operation
-//! key, the error class of every outcome, the decision after an attempt was lost,
-//! and backoff with full jitter. The executor, scheduler and reconciler carry out
-//! what these return.
+//! Provider calls as pure decisions (docs/execution.md, docs/provider-protocol.md):
+//! the operation key, the error class of every outcome, what follows an outcome
+//! that is not a result, the decision after an attempt was lost, and backoff with
+//! full jitter. The executor, scheduler and reconciler carry out what these return.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -27,8 +27,15 @@ pub enum CallOutcome {
     /// The request never left: connection refused, DNS, TLS handshake, local
     /// validation before sending.
     NotSent,
-    /// The provider answered with a status (and, for 429, perhaps `Retry-After`).
-    Answered { status: u16, retry_after: Option<Duration> },
+    /// Someone answered with a status (and, for 429, perhaps `Retry-After`).
+    Answered {
+        status: u16,
+        retry_after: Option<Duration>,
+        /// The body is the provider's own problem document
+        /// (`application/problem+json`). Without it the answer may come from a
+        /// gateway in front of the provider, which cannot vouch for the work.
+        problem_body: bool,
+    },
     /// Sent, and then no answer in time.
     TimedOutAfterSend,
     /// Sent, and the connection broke while the answer was arriving.
@@ -47,10 +54,8 @@ pub struct Classification {
     pub retryable: bool,
 }
 
-/// Classifies an outcome; `None` means success (2xx). `overrides` map a status
-/// code to a class for providers that use codes their own way.
-pub fn classify(outcome: &CallOutcome, overrides: &HashMap<u16, ErrorClass>) -> Option<Classification> {
-    let of = |class: ErrorClass, retry_after: Option<Duration>| {
+impl Classification {
+    fn of(class: ErrorClass, retry_after: Option<Duration>) -> Self {
         let (spent, retryable) = match class {
             ErrorClass::NotSent | ErrorClass::Throttled | ErrorClass::ProviderFailed | ErrorClass::Busy => {
                 (false, true)
@@ -61,12 +66,59 @@ pub fn classify(outcome: &CallOutcome, overrides: &HashMap<u16, ErrorClass>) -> 
             ErrorClass::ResultMismatch => (true, false),
         };
         Classification { class, retry_after, money_may_have_been_spent: spent, retryable }
-    };
+    }
+}
+
+/// The 5xx statuses a gateway or load balancer answers after it forwarded the
+/// request: the work may have been done behind it, so no provider can declare
+/// them safe.
+pub const GATEWAY_STATUSES: [u16; 2] = [502, 504];
+
+/// How one provider's answers are read (docs/provider-protocol.md, "Error
+/// classes"): its status overrides, the 5xx statuses it vouches for, and whether
+/// it dedupes by operation key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ErrorTable {
+    /// Status code → class, for providers that use codes their own way.
+    pub overrides: HashMap<u16, ErrorClass>,
+    /// 5xx statuses the provider answers, with its problem body, only when it did
+    /// no work. Every other 5xx may have done the work. Never 502 or 504.
+    pub safe_5xx: BTreeSet<u16>,
+    /// The provider dedupes by `Idempotency-Key`: a 409 to a keyed request says a
+    /// request with the same key is still running there.
+    pub dedupes: bool,
+}
+
+impl ErrorTable {
+    /// Whether a 5xx answer proves that nothing was done.
+    fn vouches_for(&self, status: u16, problem_body: bool) -> bool {
+        problem_body && !GATEWAY_STATUSES.contains(&status) && self.safe_5xx.contains(&status)
+    }
+
+    /// Whether an answer to a start says the same key is still being worked on.
+    fn in_progress(&self, outcome: &CallOutcome) -> bool {
+        matches!(outcome, CallOutcome::Answered { status: 409, .. })
+            && self.dedupes
+            && !self.overrides.contains_key(&409)
+    }
+}
+
+/// Classifies an outcome; `None` means success (2xx). A 5xx is classed by what
+/// it proves: only a status the provider declared safe, answered with its own
+/// problem body, says nothing was done; any other 5xx (a gateway's 502 or 504
+/// always) may have done the work and is ambiguous, whatever the overrides say.
+pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classification> {
     match outcome {
-        CallOutcome::NotSent => Some(of(ErrorClass::NotSent, None)),
-        CallOutcome::TimedOutAfterSend | CallOutcome::ResetMidResponse => Some(of(ErrorClass::Ambiguous, None)),
-        CallOutcome::Answered { status, retry_after } => {
-            if let Some(class) = overrides.get(status) {
+        CallOutcome::NotSent => Some(Classification::of(ErrorClass::NotSent, None)),
+        CallOutcome::TimedOutAfterSend | CallOutcome::ResetMidResponse => {
+            Some(Classification::of(ErrorClass::Ambiguous, None))
+        }
+        CallOutcome::Answered { status, retry_after, problem_body } => {
+            let of = Classification::of;
+            if (500..=599).contains(status) && !table.vouches_for(*status, *problem_body) {
+                return Some(of(ErrorClass::Ambiguous, None));
+            }
+            if let Some(class) = table.overrides.get(status) {
                 return Some(of(*class, *retry_after));
             }
             match status {
@@ -80,6 +132,71 @@ pub fn classify(outcome: &CallOutcome, overrides: &HashMap<u16, ErrorClass>) -> 
                 _ => Some(of(ErrorClass::Ambiguous, None)),
             }
         }
+    }
+}
+
+/// Where a call stood when an outcome other than a result arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallStage {
+    /// The request was sent; the provider has named no request id.
+    Sent,
+    /// The provider accepted the work under a request id; the outcome is a poll's.
+    Accepted,
+}
+
+/// What the executor does after an outcome that is not a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NextMove {
+    /// Poll the accepted operation again after this long.
+    PollAgainIn(Duration),
+    /// Send the same request, with the same operation key, again after this long:
+    /// the provider is still running a request with this key.
+    ResendIn(Duration),
+    /// End the attempt. `new_key`: the provider certainly did nothing, so the next
+    /// try is a new operation (`seq` + 1); otherwise it keeps this key.
+    Fail { classification: Classification, new_key: bool },
+}
+
+/// Decides after the `tries`-th (0-based) outcome of one call that was not a
+/// result, with `time_left` in the attempt's budget.
+///
+/// Once the provider accepted the work, no poll outcome means "nothing done": a
+/// poll that fails (5xx, 429, 404, a refused or reset connection) is asked again
+/// with backoff, and when the budget runs out the attempt fails as ambiguous with
+/// the same key, so the recovery table decides. A 409 for a key still running at
+/// a provider that dedupes is waited for and sent again with the same key.
+pub fn after_outcome(
+    stage: CallStage,
+    outcome: &CallOutcome,
+    table: &ErrorTable,
+    tries: u32,
+    time_left: Duration,
+    backoff: &Backoff,
+    jitter: f64,
+) -> NextMove {
+    let ambiguous = NextMove::Fail { classification: Classification::of(ErrorClass::Ambiguous, None), new_key: false };
+    let retry_after = match outcome {
+        CallOutcome::Answered { retry_after, .. } => *retry_after,
+        _ => None,
+    };
+    let wait = backoff.delay(tries, retry_after, jitter);
+    match stage {
+        CallStage::Accepted if wait < time_left => NextMove::PollAgainIn(wait),
+        CallStage::Accepted => ambiguous,
+        CallStage::Sent if table.in_progress(outcome) => {
+            if wait < time_left {
+                NextMove::ResendIn(wait)
+            } else {
+                ambiguous
+            }
+        }
+        CallStage::Sent => match classify(outcome, table) {
+            Some(classification) => {
+                NextMove::Fail { classification, new_key: !classification.money_may_have_been_spent }
+            }
+            // A success the adapter could not read: the work may have happened.
+            None => ambiguous,
+        },
     }
 }
 
@@ -106,7 +223,7 @@ pub enum AfterLoss {
     FinishRecorded,
 }
 
-/// The recovery decision table of DESIGN.md section 6.
+/// The recovery decision table (docs/catalog.md, docs/execution.md).
 ///
 /// A provider that dedupes by key makes a retry with the same key safe after
 /// `provider_accepted` too (the table names the case without a request id; with
@@ -196,7 +313,15 @@ mod tests {
     use super::*;
 
     fn answered(status: u16) -> CallOutcome {
-        CallOutcome::Answered { status, retry_after: None }
+        CallOutcome::Answered { status, retry_after: None, problem_body: true }
+    }
+
+    fn bare(status: u16) -> CallOutcome {
+        CallOutcome::Answered { status, retry_after: None, problem_body: false }
+    }
+
+    fn safe(statuses: &[u16]) -> ErrorTable {
+        ErrorTable { safe_5xx: statuses.iter().copied().collect(), ..ErrorTable::default() }
     }
 
     #[test]
@@ -213,12 +338,14 @@ mod tests {
 
     #[test]
     fn every_row_of_the_error_class_table() {
-        let none = HashMap::new();
+        let none = ErrorTable::default();
         let class = |o: &CallOutcome| classify(o, &none).map(|c| c.class);
         assert_eq!(class(&CallOutcome::NotSent), Some(ErrorClass::NotSent));
-        let throttled =
-            classify(&CallOutcome::Answered { status: 429, retry_after: Some(Duration::from_secs(7)) }, &none)
-                .expect("error");
+        let throttled = classify(
+            &CallOutcome::Answered { status: 429, retry_after: Some(Duration::from_secs(7)), problem_body: true },
+            &none,
+        )
+        .expect("error");
         assert_eq!((throttled.class, throttled.retry_after), (ErrorClass::Throttled, Some(Duration::from_secs(7))));
         for status in [400, 404, 409, 422] {
             assert_eq!(class(&answered(status)), Some(ErrorClass::Rejected), "{status}");
@@ -227,7 +354,7 @@ mod tests {
             assert_eq!(class(&answered(status)), Some(ErrorClass::NotAuthorised), "{status}");
         }
         for status in [500, 502, 503, 504] {
-            assert_eq!(class(&answered(status)), Some(ErrorClass::ProviderFailed), "{status}");
+            assert_eq!(class(&answered(status)), Some(ErrorClass::Ambiguous), "{status} is not declared safe");
         }
         assert_eq!(class(&CallOutcome::TimedOutAfterSend), Some(ErrorClass::Ambiguous));
         assert_eq!(class(&CallOutcome::ResetMidResponse), Some(ErrorClass::Ambiguous));
@@ -236,22 +363,128 @@ mod tests {
     }
 
     #[test]
-    fn only_ambiguous_outcomes_may_have_cost_money_and_they_are_never_retried_blindly() {
-        let none = HashMap::new();
-        for outcome in [CallOutcome::NotSent, answered(429), answered(400), answered(402), answered(503)] {
-            assert!(!classify(&outcome, &none).expect("error").money_may_have_been_spent, "{outcome:?}");
+    fn a_5xx_says_nothing_was_done_only_when_declared_safe_and_answered_by_the_provider_itself() {
+        let table = safe(&[500, 503]);
+        let class = |o: &CallOutcome| classify(o, &table).map(|c| (c.class, c.money_may_have_been_spent));
+        assert_eq!(class(&answered(503)), Some((ErrorClass::ProviderFailed, false)), "declared, with its body");
+        assert_eq!(class(&answered(500)), Some((ErrorClass::ProviderFailed, false)));
+        assert_eq!(class(&bare(503)), Some((ErrorClass::Ambiguous, true)), "without its body: maybe a gateway");
+        assert_eq!(class(&answered(501)), Some((ErrorClass::Ambiguous, true)), "not declared");
+        // A gateway answers these after forwarding: not even a declaration makes them safe.
+        let gateway = safe(&[502, 504]);
+        for status in GATEWAY_STATUSES {
+            assert_eq!(classify(&answered(status), &gateway).map(|c| c.class), Some(ErrorClass::Ambiguous));
         }
-        let ambiguous = classify(&CallOutcome::TimedOutAfterSend, &none).expect("error");
-        assert!(ambiguous.money_may_have_been_spent && !ambiguous.retryable);
-        assert!(!classify(&answered(422), &none).expect("error").retryable, "rejected is permanent");
-        assert!(!classify(&answered(401), &none).expect("error").retryable, "not authorised is permanent");
     }
 
     #[test]
-    fn a_provider_may_override_the_class_of_a_status() {
-        let overrides = HashMap::from([(409, ErrorClass::Throttled), (200, ErrorClass::ProviderFailed)]);
-        assert_eq!(classify(&answered(409), &overrides).map(|c| c.class), Some(ErrorClass::Throttled));
-        assert_eq!(classify(&answered(200), &overrides).map(|c| c.class), Some(ErrorClass::ProviderFailed));
+    fn only_ambiguous_outcomes_may_have_cost_money_and_they_are_never_retried_blindly() {
+        let table = safe(&[503]);
+        for outcome in [CallOutcome::NotSent, answered(429), answered(400), answered(402), answered(503)] {
+            assert!(!classify(&outcome, &table).expect("error").money_may_have_been_spent, "{outcome:?}");
+        }
+        for outcome in [CallOutcome::TimedOutAfterSend, bare(503), answered(504), answered(500)] {
+            let ambiguous = classify(&outcome, &table).expect("error");
+            assert!(ambiguous.money_may_have_been_spent && !ambiguous.retryable, "{outcome:?}");
+        }
+        assert!(!classify(&answered(422), &table).expect("error").retryable, "rejected is permanent");
+        assert!(!classify(&answered(401), &table).expect("error").retryable, "not authorised is permanent");
+    }
+
+    #[test]
+    fn a_provider_may_override_the_class_of_a_status_but_not_make_an_unsafe_5xx_safe() {
+        let overrides = HashMap::from([
+            (409, ErrorClass::Throttled),
+            (200, ErrorClass::ProviderFailed),
+            (503, ErrorClass::Throttled),
+            (500, ErrorClass::Throttled),
+        ]);
+        let table = ErrorTable { overrides, safe_5xx: BTreeSet::from([503]), dedupes: false };
+        let class = |o: &CallOutcome| classify(o, &table).map(|c| c.class);
+        assert_eq!(class(&answered(409)), Some(ErrorClass::Throttled));
+        assert_eq!(class(&answered(200)), Some(ErrorClass::ProviderFailed));
+        assert_eq!(class(&answered(503)), Some(ErrorClass::Throttled), "a declared-safe 5xx takes its override");
+        assert_eq!(class(&answered(500)), Some(ErrorClass::Ambiguous), "an undeclared one stays ambiguous");
+    }
+
+    #[test]
+    fn a_failed_poll_of_accepted_work_is_asked_again_then_ambiguous_with_the_same_key() {
+        let backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+        let table = safe(&[503]);
+        let plenty = Duration::from_secs(60);
+        let poll =
+            |o: &CallOutcome, tries, left| after_outcome(CallStage::Accepted, o, &table, tries, left, &backoff, 0.5);
+        for outcome in [
+            answered(503),
+            answered(500),
+            bare(502),
+            answered(404),
+            answered(400),
+            CallOutcome::NotSent,
+            CallOutcome::ResetMidResponse,
+            CallOutcome::TimedOutAfterSend,
+        ] {
+            assert_eq!(poll(&outcome, 0, plenty), NextMove::PollAgainIn(Duration::from_millis(50)), "{outcome:?}");
+            assert_eq!(poll(&outcome, 3, plenty), NextMove::PollAgainIn(Duration::from_millis(400)), "{outcome:?}");
+            let NextMove::Fail { classification, new_key } = poll(&outcome, 3, Duration::from_millis(300)) else {
+                panic!("the budget is spent: {outcome:?}");
+            };
+            assert_eq!(
+                (classification.class, classification.money_may_have_been_spent, new_key),
+                (ErrorClass::Ambiguous, true, false)
+            );
+        }
+        let throttled =
+            CallOutcome::Answered { status: 429, retry_after: Some(Duration::from_secs(3)), problem_body: true };
+        assert_eq!(
+            poll(&throttled, 0, plenty),
+            NextMove::PollAgainIn(Duration::from_secs(3)),
+            "Retry-After is a floor"
+        );
+    }
+
+    #[test]
+    fn a_definite_answer_to_a_start_is_a_new_key_and_a_doubtful_one_keeps_it() {
+        let backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+        let table = safe(&[503]);
+        let plenty = Duration::from_secs(60);
+        let start = |o: &CallOutcome| match after_outcome(CallStage::Sent, o, &table, 0, plenty, &backoff, 0.5) {
+            NextMove::Fail { classification, new_key } => (classification.class, new_key),
+            other => panic!("{o:?} ended in {other:?}"),
+        };
+        assert_eq!(start(&CallOutcome::NotSent), (ErrorClass::NotSent, true));
+        assert_eq!(start(&answered(429)), (ErrorClass::Throttled, true));
+        assert_eq!(start(&answered(422)), (ErrorClass::Rejected, true));
+        assert_eq!(start(&answered(409)), (ErrorClass::Rejected, true), "a provider that does not dedupe");
+        assert_eq!(start(&answered(503)), (ErrorClass::ProviderFailed, true));
+        assert_eq!(start(&bare(503)), (ErrorClass::Ambiguous, false));
+        assert_eq!(start(&answered(504)), (ErrorClass::Ambiguous, false));
+        assert_eq!(start(&answered(500)), (ErrorClass::Ambiguous, false));
+        assert_eq!(start(&CallOutcome::TimedOutAfterSend), (ErrorClass::Ambiguous, false));
+        assert_eq!(start(&answered(200)), (ErrorClass::Ambiguous, false), "a success that could not be read");
+    }
+
+    #[test]
+    fn a_409_for_a_key_still_running_is_waited_for_and_sent_again_with_the_same_key() {
+        let backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+        let table = ErrorTable { dedupes: true, ..ErrorTable::default() };
+        let conflict =
+            CallOutcome::Answered { status: 409, retry_after: Some(Duration::from_secs(1)), problem_body: true };
+        let start = |tries, left| after_outcome(CallStage::Sent, &conflict, &table, tries, left, &backoff, 0.5);
+        assert_eq!(start(0, Duration::from_secs(60)), NextMove::ResendIn(Duration::from_secs(1)));
+        assert_eq!(start(5, Duration::from_secs(60)), NextMove::ResendIn(Duration::from_secs(1)));
+        let NextMove::Fail { classification, new_key } = start(0, Duration::from_millis(500)) else {
+            panic!("the budget is spent");
+        };
+        assert_eq!((classification.class, new_key), (ErrorClass::Ambiguous, false), "still running: same key");
+        // A provider that reads 409 its own way keeps its override.
+        let own = ErrorTable { overrides: HashMap::from([(409, ErrorClass::Rejected)]), ..table };
+        let NextMove::Fail { classification, .. } =
+            after_outcome(CallStage::Sent, &conflict, &own, 0, Duration::from_secs(60), &backoff, 0.5)
+        else {
+            panic!("an override decides");
+        };
+        assert_eq!(classification.class, ErrorClass::Rejected);
     }
 
     #[test]

@@ -4,12 +4,10 @@
 //! retry layer, and a retried paid call is exactly what Fenceline must not do
 //! behind anyone's back.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use fenceline_config::catalog::ProviderSpec;
-use fenceline_domain::calls::{CallOutcome, ProviderCapabilities};
-use fenceline_domain::vocabulary::ErrorClass;
+use fenceline_domain::calls::{CallOutcome, ErrorTable, ProviderCapabilities};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -60,24 +58,31 @@ pub struct HttpProvider {
     base_url: String,
     auth_header: Option<String>,
     capabilities: ProviderCapabilities,
-    overrides: HashMap<u16, ErrorClass>,
+    errors: ErrorTable,
     agent: ureq::Agent,
     /// Without a connection pool: for the paid call only.
     call_agent: ureq::Agent,
+    /// For artifacts, which may be served from another host or behind redirects.
+    artifact_agent: ureq::Agent,
 }
+
+/// How many redirects an artifact download follows.
+const ARTIFACT_REDIRECTS: u32 = 5;
 
 impl HttpProvider {
     /// The adapter for a catalogue entry; the auth header is read from the
     /// environment variable the entry names.
     pub fn new(name: &str, spec: &ProviderSpec) -> Self {
         let timeout = spec.call_timeout();
-        let config = |pooled: bool| {
+        let config = |pooled: bool, redirects: u32| {
             ureq::Agent::config_builder()
                 .http_status_as_error(false)
                 .timeout_global(Some(timeout))
                 // A connect that fails is "not sent"; keep it inside the call timeout.
                 .timeout_connect(Some(timeout.min(Duration::from_secs(2)) / 2))
-                .max_redirects(0)
+                .max_redirects(redirects)
+                // A redirect to another host gets no credentials.
+                .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
                 .max_idle_connections(if pooled { 10 } else { 0 })
                 .max_idle_connections_per_host(if pooled { 3 } else { 0 })
                 .build()
@@ -86,16 +91,18 @@ impl HttpProvider {
         // A paid call never rides a kept-alive connection: a write that meets a
         // connection the provider is closing fails after the connection was made,
         // which only a fresh connection can tell apart from "not sent". Look-ups
-        // and verification are free to repeat and keep their connections.
-        let (agent, call_agent) = (config(true), config(false));
+        // and verification are free to repeat and keep their connections. The
+        // protocol's own calls follow no redirect; an artifact may live elsewhere.
+        let (agent, call_agent, artifact_agent) = (config(true, 0), config(false, 0), config(true, ARTIFACT_REDIRECTS));
         Self {
             name: name.to_owned(),
             base_url: spec.base_url.trim_end_matches('/').to_owned(),
             auth_header: spec.auth_header_env.as_ref().and_then(|var| std::env::var(var).ok()),
             capabilities: spec.capabilities(),
-            overrides: spec.overrides(),
+            errors: spec.error_table(),
             agent,
             call_agent,
+            artifact_agent,
         }
     }
 
@@ -103,8 +110,9 @@ impl HttpProvider {
         self.capabilities
     }
 
-    pub fn overrides(&self) -> &HashMap<u16, ErrorClass> {
-        &self.overrides
+    /// How this provider's answers are read.
+    pub fn errors(&self) -> &ErrorTable {
+        &self.errors
     }
 
     /// Starts an operation. The operation key travels as `Idempotency-Key` when
@@ -157,13 +165,16 @@ impl HttpProvider {
     }
 
     /// Fetches the artifact and checks its sha256 against what the provider said.
+    /// The provider's credentials go only to the provider's own origin: an
+    /// artifact on another host (a storage bucket, a CDN) gets none.
     pub async fn verify(&self, result: &ProviderResult) -> Result<(), VerifyError> {
         let this = self.clone();
         let uri = result.uri.clone();
         let expected = result.sha256.to_ascii_lowercase();
         blocking(move || {
-            let mut response =
-                this.with_auth(this.agent.get(&uri)).call().map_err(|e| VerifyError::Unreachable(e.to_string()))?;
+            let request = this.artifact_agent.get(&uri);
+            let request = if same_origin(&this.base_url, &uri) { this.with_auth(request) } else { request };
+            let mut response = request.call().map_err(|e| VerifyError::Unreachable(e.to_string()))?;
             if !response.status().is_success() {
                 return Err(VerifyError::Unreachable(format!("status {}", response.status())));
             }
@@ -185,6 +196,16 @@ impl HttpProvider {
             None => request,
         }
     }
+}
+
+/// Whether `uri` is on the origin (scheme, host and port) of `base_url`.
+fn same_origin(base_url: &str, uri: &str) -> bool {
+    let origin = |u: &str| {
+        let (scheme, rest) = u.split_once("://")?;
+        let authority = rest.split(['/', '?', '#']).next()?;
+        Some((scheme.to_ascii_lowercase(), authority.to_ascii_lowercase()))
+    };
+    origin(base_url).is_some_and(|o| Some(o) == origin(uri))
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -209,6 +230,11 @@ fn answer_of(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) ->
         Err(e) => return CallAnswer::Outcome(outcome_of_error(&e)),
     };
     let status = response.status().as_u16();
+    let problem_body = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("application/problem+json"));
     let retry_after = response
         .headers()
         .get("retry-after")
@@ -223,7 +249,10 @@ fn answer_of(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) ->
         Err(_) => Vec::new(),
     };
     if !(200..300).contains(&status) {
-        return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after });
+        // A problem document the body does not hold is no proof of who answered.
+        let problem_body =
+            problem_body && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.is_object());
+        return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after, problem_body });
     }
     match serde_json::from_slice::<Answer>(&body) {
         Ok(Answer { request_id, status: s, result: Some(result) }) if s == "succeeded" => {
@@ -249,5 +278,21 @@ fn outcome_of_error(e: &ureq::Error) -> CallOutcome {
         ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => CallOutcome::NotSent,
         ureq::Error::Timeout(_) => CallOutcome::TimedOutAfterSend,
         _ => CallOutcome::ResetMidResponse,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_go_only_to_the_providers_own_origin() {
+        let base = "http://127.0.0.1:8080";
+        assert!(same_origin(base, "http://127.0.0.1:8080/artifacts/r1"));
+        assert!(same_origin("HTTP://Example.com/", "http://example.com/a?b"));
+        assert!(!same_origin(base, "http://127.0.0.1:8081/artifacts/r1"), "another port is another host");
+        assert!(!same_origin(base, "https://127.0.0.1:8080/artifacts/r1"));
+        assert!(!same_origin(base, "http://127.0.0.1:8080.evil.example/x"));
+        assert!(!same_origin(base, "not a uri"));
     }
 }

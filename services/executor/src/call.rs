@@ -1,0 +1,281 @@
+//! One paid step: the call intent, the request, and what follows its answer
+//! (docs/provider-protocol.md, "Error classes"). Once the provider accepted the
+//! work, no poll outcome is "nothing done": failed polls are asked again with
+//! backoff within the attempt budget, then the attempt fails as ambiguous with the
+//! same operation key. The key changes only after a definite "nothing was done",
+//! in the same fenced write that ends the attempt.
+
+use std::time::Duration;
+
+use fenceline_bus::fault;
+use fenceline_config::catalog::StepSpec;
+use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
+use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
+use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted, Timestamp};
+use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult, VerifyError};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::record::{Checkpoint, NewKey, Transition};
+use crate::worker::{Lease, Stop, Workers, jitter};
+
+/// The longest wait between two polls or two sends of one call, whatever the backoff says.
+const CALL_BACKOFF_CAP: Duration = Duration::from_secs(5);
+
+impl Workers {
+    /// One paid step. `Ok(Some(result))`: checkpointed; `Ok(None)`: the attempt
+    /// ended here (failed, released) and its event is written.
+    pub(crate) async fn call_step(
+        &self,
+        step: &StepSpec,
+        lease: &mut Lease,
+        input: serde_json::Value,
+        shutdown: &CancellationToken,
+        deadline_us: i64,
+    ) -> Result<Option<ArtifactRef>, Stop> {
+        let Some((provider_name, operation)) = step.call() else {
+            return Ok(None);
+        };
+        let Some(provider) = self.providers.get(provider_name) else {
+            let message = format!("no provider `{provider_name}`");
+            self.fail(lease, ErrorClass::Rejected, &message, None, false, None).await?;
+            return Ok(None);
+        };
+        // Before the intent, cancellation and shutdown still cost nothing.
+        let started = self.record(lease, Transition::to(Phase::StepStarted).step(&step.name), &[]).await?;
+        let seq: i32 = sqlx::query_scalar(
+            "INSERT INTO call_sequences (task_id, generation, step) VALUES ($1, $2, $3) \
+             ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq",
+        )
+        .bind(lease.task_id.as_uuid())
+        .bind(lease.generation)
+        .bind(&step.name)
+        .fetch_one(&self.pool)
+        .await?;
+        if started.cancel_requested || shutdown.is_cancelled() {
+            let reason =
+                if started.cancel_requested { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
+            self.release(lease, reason).await?;
+            return Ok(None);
+        }
+        fault!("executor.before_call_intent");
+        let key = operation_key(
+            lease.task_id,
+            &step.name,
+            u32::try_from(lease.generation).unwrap_or_default(),
+            u32::try_from(seq).unwrap_or_default(),
+        );
+        let intent = Event::CallIntentRecorded(CallIntentRecorded {
+            task_id: lease.task_id,
+            attempt: lease.attempt,
+            step: step.name.clone(),
+            operation_key: key.clone(),
+            provider: provider_name.to_owned(),
+            recorded_at: Timestamp::now(),
+        });
+        self.record(lease, Transition::to(Phase::CallIntent).call(&key, None), &[intent]).await?;
+        fault!("executor.after_call_intent");
+        if !lease.holds() {
+            // Nothing left. If no one took over, say so, so that no one has to
+            // wonder whether a call was made.
+            let message = "the lease lapsed before the call left; not sent";
+            self.fail(lease, ErrorClass::NotSent, message, None, false, None).await?;
+            warn!(task_id = %lease.task_id, "{message}");
+            return Ok(None);
+        }
+        let call = Call { step: &step.name, provider, operation, key: &key, seq, deadline_us };
+        let answer = provider.start(operation, input.clone(), &key).await;
+        fault!("executor.after_provider_answer");
+        self.follow(lease, &call, input, answer).await
+    }
+
+    /// Follows an answer to the end of the call: polls what was accepted, waits
+    /// for a key still running, records a result, or fails the attempt.
+    async fn follow(
+        &self,
+        lease: &mut Lease,
+        call: &Call<'_>,
+        input: serde_json::Value,
+        mut answer: CallAnswer,
+    ) -> Result<Option<ArtifactRef>, Stop> {
+        let backoff = Backoff {
+            base: Duration::from_millis(self.settings.poll_ms.max(1)),
+            cap: CALL_BACKOFF_CAP.max(Duration::from_millis(self.settings.poll_ms)),
+        };
+        let mut accepted: Option<String> = None;
+        let mut tries = 0u32;
+        loop {
+            // A worker that lost the execution stops asking: the new holder decides.
+            if lease.fenced() {
+                return Err(Stop::Fenced);
+            }
+            match answer {
+                CallAnswer::Done { request_id, result } => {
+                    return self.record_result(lease, call, &request_id, result).await;
+                }
+                CallAnswer::Accepted { request_id } => {
+                    if lease.phase != Phase::ProviderAccepted {
+                        let event = Event::ProviderAccepted(ProviderAccepted {
+                            task_id: lease.task_id,
+                            attempt: lease.attempt,
+                            step: call.step.to_owned(),
+                            operation_key: call.key.to_owned(),
+                            provider_request_id: request_id.clone(),
+                            accepted_at: Timestamp::now(),
+                        });
+                        let transition = Transition::to(Phase::ProviderAccepted).call(call.key, Some(&request_id));
+                        self.record(lease, transition, &[event]).await?;
+                    }
+                    if Timestamp::now().0 >= call.deadline_us {
+                        let message = format!("accepted as {request_id}, no result within the attempt budget");
+                        self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
+                        return Ok(None);
+                    }
+                    tries = 0;
+                    pause(lease, Duration::from_millis(self.settings.poll_ms)).await?;
+                    answer = call.provider.poll(&request_id).await;
+                    accepted = Some(request_id);
+                }
+                CallAnswer::Outcome(outcome) => {
+                    let stage = if accepted.is_some() { CallStage::Accepted } else { CallStage::Sent };
+                    let left = Duration::from_micros(u64::try_from(call.deadline_us - Timestamp::now().0).unwrap_or(0));
+                    let next = after_outcome(stage, &outcome, call.provider.errors(), tries, left, &backoff, jitter());
+                    tries += 1;
+                    match (next, &accepted) {
+                        (NextMove::PollAgainIn(wait), Some(request_id)) => {
+                            warn!(task_id = %lease.task_id, request_id, ?wait, "polling failed ({}); asking again",
+                                describe(&outcome));
+                            pause(lease, wait).await?;
+                            answer = call.provider.poll(request_id).await;
+                        }
+                        (NextMove::ResendIn(wait), _) => {
+                            info!(task_id = %lease.task_id, ?wait,
+                                "the provider still runs a request with this key; sending it again later");
+                            pause(lease, wait).await?;
+                            if !lease.holds() {
+                                return Err(Stop::LeaseLapsed);
+                            }
+                            answer = call.provider.start(call.operation, input.clone(), call.key).await;
+                        }
+                        (NextMove::Fail { classification: c, new_key }, _) => {
+                            let new_key = new_key.then_some(NewKey { step: call.step, used_seq: call.seq });
+                            let message = describe(&outcome);
+                            self.fail(lease, c.class, &message, c.retry_after, c.money_may_have_been_spent, new_key)
+                                .await?;
+                            return Ok(None);
+                        }
+                        (NextMove::PollAgainIn(_), None) => {
+                            // Polling needs a request id; without one the outcome stays in doubt.
+                            let message = describe(&outcome);
+                            self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
+                            return Ok(None);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Verifies and checkpoints a result. A download that fails is tried again
+    /// within the attempt budget (it is free); bytes that do not match end the
+    /// attempt as `result_mismatch`, and so does an artifact that stays unreachable.
+    async fn record_result(
+        &self,
+        lease: &mut Lease,
+        call: &Call<'_>,
+        request_id: &str,
+        result: ProviderResult,
+    ) -> Result<Option<ArtifactRef>, Stop> {
+        let backoff = Backoff { base: Duration::from_millis(self.settings.poll_ms.max(1)), cap: CALL_BACKOFF_CAP };
+        let mut tries = 0u32;
+        loop {
+            match call.provider.verify(&result).await {
+                Ok(()) => break,
+                Err(VerifyError::Unreachable(why)) => {
+                    let wait = backoff.delay(tries, None, 0.5 + jitter() / 2.0);
+                    tries += 1;
+                    if Timestamp::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX) < call.deadline_us {
+                        warn!(task_id = %lease.task_id, request_id, error = %why, ?wait,
+                            "the artifact could not be fetched; trying again");
+                        pause(lease, wait).await?;
+                        continue;
+                    }
+                    let message = format!("{request_id}: {}", VerifyError::Unreachable(why));
+                    self.fail(lease, ErrorClass::ResultMismatch, &message, None, true, None).await?;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    self.fail(lease, ErrorClass::ResultMismatch, &format!("{request_id}: {e}"), None, true, None)
+                        .await?;
+                    return Ok(None);
+                }
+            }
+        }
+        let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
+        let output = serde_json::to_value(&artifact).unwrap_or_default();
+        self.checkpoint(lease, call.step, &output, Some(&artifact.sha256)).await?;
+        fault!("executor.after_result_recorded");
+        Ok(Some(artifact))
+    }
+
+    /// Records a finished step (`result_recorded`) with its output and announces it.
+    pub(crate) async fn checkpoint(
+        &self,
+        lease: &mut Lease,
+        step: &str,
+        output: &serde_json::Value,
+        sha256: Option<&str>,
+    ) -> Result<(), Stop> {
+        let sha = sha256.map_or_else(|| hex_sha(output), str::to_owned);
+        let event = Event::StepCheckpointed(fenceline_events::StepCheckpointed {
+            task_id: lease.task_id,
+            attempt: lease.attempt,
+            step: step.to_owned(),
+            output_ref: format!("checkpoint:{}:{}:{step}", lease.task_id, lease.generation),
+            sha256: sha.clone(),
+            checkpointed_at: Timestamp::now(),
+        });
+        let transition = Transition {
+            checkpoint: Some(Checkpoint { step, output, sha256: &sha }),
+            ..Transition::to(Phase::ResultRecorded).step(step)
+        };
+        self.record(lease, transition, &[event]).await?;
+        Ok(())
+    }
+}
+
+/// One call in progress: what a retry of the same request needs.
+struct Call<'a> {
+    step: &'a str,
+    provider: &'a HttpProvider,
+    operation: &'a str,
+    key: &'a str,
+    /// The `seq` the key was made with.
+    seq: i32,
+    deadline_us: i64,
+}
+
+/// Sleeps, unless the worker is fenced meanwhile.
+async fn pause(lease: &Lease, wait: Duration) -> Result<(), Stop> {
+    tokio::select! {
+        _ = lease.fenced.cancelled() => Err(Stop::Fenced),
+        _ = tokio::time::sleep(wait) => Ok(()),
+    }
+}
+
+fn hex_sha(value: &serde_json::Value) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(value.to_string().as_bytes()))
+}
+
+fn describe(outcome: &CallOutcome) -> String {
+    match outcome {
+        CallOutcome::NotSent => "the request was not sent".to_owned(),
+        CallOutcome::Answered { status, problem_body: true, .. } => format!("the provider answered {status}"),
+        CallOutcome::Answered { status, problem_body: false, .. } => {
+            format!("{status} without the provider's problem body (a gateway's answer?)")
+        }
+        CallOutcome::TimedOutAfterSend => "no answer within the call timeout after sending".to_owned(),
+        CallOutcome::ResetMidResponse => "the connection broke before the answer was read".to_owned(),
+    }
+}

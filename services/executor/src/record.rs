@@ -1,0 +1,258 @@
+//! Fenced phase transitions: every write a worker makes to its execution is one
+//! transaction, conditional on the worker's fencing token and the phase it last
+//! wrote, carrying the events that announce it and, where a step ends, its
+//! checkpoint or the operation key's `seq` bump. Zero rows means another worker
+//! holds the execution. A transient database error is retried while the lease
+//! still holds, so a worker that knows the outcome records it.
+
+use std::time::Duration;
+
+use fenceline_domain::calls::Backoff;
+use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
+use fenceline_events::{AttemptFailed, AttemptReleased, Event, Timestamp, topics};
+use sqlx::PgConnection;
+use tracing::{info, warn};
+
+use crate::worker::{Lease, Stop, Workers, jitter};
+
+/// What the execution row becomes in one fenced write.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Transition<'a> {
+    pub phase: Phase,
+    /// The execution's status after the write.
+    pub status: Status,
+    pub step: Option<&'a str>,
+    /// The operation key of the call, and the provider's request id once known.
+    pub call: Option<(&'a str, Option<&'a str>)>,
+    /// A definite "nothing was done" for this step's key: the next try of the
+    /// step uses a new operation key.
+    pub new_key: Option<NewKey<'a>>,
+    /// A finished step's output, stored with the phase.
+    pub checkpoint: Option<Checkpoint<'a>>,
+}
+
+/// The execution statuses a worker writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    Running,
+    Succeeded,
+    Failed,
+    Released,
+}
+
+impl Status {
+    /// Do not change: the executions table stores these words.
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Running => "running",
+            Status::Succeeded => "succeeded",
+            Status::Failed => "failed",
+            Status::Released => "released",
+        }
+    }
+}
+
+/// The `seq` the call used: the bump applies only if it is still the current one,
+/// so neither a repeated nor a stale write can move the key twice.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewKey<'a> {
+    pub step: &'a str,
+    pub used_seq: i32,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Checkpoint<'a> {
+    pub step: &'a str,
+    pub output: &'a serde_json::Value,
+    pub sha256: &'a str,
+}
+
+impl<'a> Transition<'a> {
+    /// To `phase`, still running.
+    pub fn to(phase: Phase) -> Self {
+        Transition { phase, status: Status::Running, step: None, call: None, new_key: None, checkpoint: None }
+    }
+
+    /// The attempt ends at the phase it reached, with `status`.
+    pub fn end(lease: &Lease, status: Status) -> Self {
+        Transition { status, ..Transition::to(lease.phase) }
+    }
+
+    pub fn step(self, step: &'a str) -> Self {
+        Transition { step: Some(step), ..self }
+    }
+
+    pub fn status(self, status: Status) -> Self {
+        Transition { status, ..self }
+    }
+
+    pub fn call(self, key: &'a str, request_id: Option<&'a str>) -> Self {
+        Transition { call: Some((key, request_id)), ..self }
+    }
+}
+
+/// What a fenced write read back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Recorded {
+    /// Whether a cancellation was requested by the time of the write.
+    pub cancel_requested: bool,
+}
+
+/// Waits between tries of a write that met a database error.
+const WRITE_RETRY: Backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+
+impl Workers {
+    /// Writes `transition` and `events` in one fenced transaction. A database
+    /// error is tried again with backoff while this worker's lease holds; a retry
+    /// that finds its own earlier commit (the answer to the commit was lost) counts
+    /// as done.
+    pub(crate) async fn record(
+        &self,
+        lease: &mut Lease,
+        transition: Transition<'_>,
+        events: &[Event],
+    ) -> Result<Recorded, Stop> {
+        let mut tries = 0u32;
+        loop {
+            let outcome = self.try_record(lease, &transition, events).await;
+            match outcome {
+                Ok(recorded) => {
+                    lease.phase = transition.phase;
+                    return Ok(recorded);
+                }
+                Err(Stop::Fenced) if tries > 0 && self.already_recorded(lease, &transition).await => {
+                    lease.phase = transition.phase;
+                    return Ok(Recorded { cancel_requested: false });
+                }
+                Err(Stop::Bus(fenceline_bus::Error::Database(e))) if lease.holds() && !lease.fenced() => {
+                    let wait = WRITE_RETRY.delay(tries, None, 0.5 + jitter() / 2.0);
+                    warn!(task_id = %lease.task_id, error = %e, phase = %transition.phase, ?wait,
+                        "a fenced write failed; trying again while the lease holds");
+                    tokio::time::sleep(wait).await;
+                    tries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
+        let mut tx = self.pool.begin().await?;
+        let (key, request_id) = t.call.unzip();
+        let cancel_requested: Option<bool> = sqlx::query_scalar(
+            "UPDATE executions SET phase = $4, phase_at_us = $5, step = COALESCE($6, step), status = $7, \
+                 operation_key = COALESCE($8, operation_key), \
+                 provider_request_id = COALESCE($9, provider_request_id) \
+             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
+             RETURNING cancel_requested",
+        )
+        .bind(lease.grant_id.as_uuid())
+        .bind(lease.token)
+        .bind(lease.phase.as_str())
+        .bind(t.phase.as_str())
+        .bind(Timestamp::now().0)
+        .bind(t.step)
+        .bind(t.status.as_str())
+        .bind(key)
+        .bind(request_id.flatten())
+        .fetch_optional(&mut *tx)
+        .await?;
+        // Dropping the transaction rolls back: nothing below happens for a fenced worker.
+        let Some(cancel_requested) = cancel_requested else {
+            return Err(Stop::Fenced);
+        };
+        if let Some(new_key) = t.new_key {
+            bump_seq(&mut tx, lease, new_key).await?;
+        }
+        if let Some(c) = t.checkpoint {
+            sqlx::query(
+                "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            )
+            .bind(lease.task_id.as_uuid())
+            .bind(lease.generation)
+            .bind(c.step)
+            .bind(c.output)
+            .bind(c.sha256)
+            .bind(lease.attempt)
+            .execute(&mut *tx)
+            .await?;
+        }
+        for event in events {
+            self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
+        }
+        tx.commit().await?;
+        self.outbox.committed();
+        Ok(Recorded { cancel_requested })
+    }
+
+    /// Whether the execution already shows `t` written under this worker's token.
+    async fn already_recorded(&self, lease: &Lease, t: &Transition<'_>) -> bool {
+        let row: Result<Option<(i64, String, String)>, _> =
+            sqlx::query_as("SELECT fencing_token, phase, status FROM executions WHERE grant_id = $1")
+                .bind(lease.grant_id.as_uuid())
+                .fetch_optional(&self.pool)
+                .await;
+        matches!(row, Ok(Some((token, phase, status)))
+            if token == lease.token && phase == t.phase.as_str() && status == t.status.as_str())
+    }
+
+    /// Ends the attempt as failed with `class`. `new_key`: the provider certainly
+    /// did nothing with the key this call used, so the next try gets a new one.
+    pub(crate) async fn fail(
+        &self,
+        lease: &mut Lease,
+        class: ErrorClass,
+        message: &str,
+        retry_after: Option<Duration>,
+        spent: bool,
+        new_key: Option<NewKey<'_>>,
+    ) -> Result<(), Stop> {
+        let event = Event::AttemptFailed(AttemptFailed {
+            task_id: lease.task_id,
+            attempt: lease.attempt,
+            grant_id: lease.grant_id,
+            error_class: class,
+            message: message.to_owned(),
+            retry_after_ms: retry_after.and_then(|d| i64::try_from(d.as_millis()).ok()),
+            money_may_have_been_spent: spent,
+            failed_at: Timestamp::now(),
+        });
+        let transition = Transition { new_key, ..Transition::end(lease, Status::Failed) };
+        self.record(lease, transition, &[event]).await?;
+        info!(task_id = %lease.task_id, %class, message, "attempt failed");
+        Ok(())
+    }
+
+    /// Gives the grant back before any call.
+    pub(crate) async fn release(&self, lease: &mut Lease, reason: ReleaseReason) -> Result<(), Stop> {
+        let event = released(lease, reason);
+        self.record(lease, Transition::end(lease, Status::Released), &[event]).await?;
+        info!(task_id = %lease.task_id, %reason, "attempt released before any call");
+        Ok(())
+    }
+}
+
+pub(crate) fn released(lease: &Lease, reason: ReleaseReason) -> Event {
+    Event::AttemptReleased(AttemptReleased {
+        task_id: lease.task_id,
+        attempt: lease.attempt,
+        grant_id: lease.grant_id,
+        reason,
+        released_at: Timestamp::now(),
+    })
+}
+
+/// Moves the step's `seq` past the one the call used, inside the fenced write.
+async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> Result<(), Stop> {
+    sqlx::query(
+        "UPDATE call_sequences SET seq = seq + 1 WHERE task_id = $1 AND generation = $2 AND step = $3 AND seq = $4",
+    )
+    .bind(lease.task_id.as_uuid())
+    .bind(lease.generation)
+    .bind(new_key.step)
+    .bind(new_key.used_seq)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}

@@ -347,60 +347,105 @@ async fn cancel_and_signals_are_sent_once_however_often_they_are_asked() {
     assert_eq!((bad.status, bad.body["type"].as_str()), (400, Some("/problems/invalid-request")));
     let foreign = call("POST", format!("{task}/cancel"), Some(intake.globex.clone()), None, None).await;
     assert_eq!(foreign.status, 404);
+    let foreign = call("POST", format!("{task}/signals/approve"), Some(intake.globex.clone()), None, None).await;
+    assert_eq!(foreign.status, 404, "another tenant cannot signal the task");
 
     let events = task_events(&intake, 4).await;
     let count = |t: &str| events.iter().filter(|e| e.event_type() == t).count();
     assert_eq!((count("TaskAccepted"), count("CancelRequested"), count("SignalReceived")), (1, 1, 2));
 }
 
+/// Puts a task's projected status where the scheduler would have put it.
+async fn project(intake: &Intake, task_id: &str, state: &str, case_id: &str, version: i64) {
+    sqlx::query(
+        "INSERT INTO task_view (task_id, tenant, kind, state, reason, attempt, case_id, updated_at, version) \
+         VALUES ($1, 'acme', 'image.generate', $2, 'attempts exhausted (3): not_authorised: 401', 3, $3, now(), $4) \
+         ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, case_id = EXCLUDED.case_id, \
+         version = EXCLUDED.version",
+    )
+    .bind(uuid::Uuid::parse_str(task_id).expect("uuid"))
+    .bind(state)
+    .bind(case_id)
+    .bind(version)
+    .execute(&intake.pool)
+    .await
+    .expect("view row");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_an_outcome_unknown_task_is_resolved_and_retrying_needs_the_charge_acknowledged() {
+async fn a_resolution_names_the_case_it_decides_and_is_refused_once_the_case_changed_or_was_decided() {
     let intake = start_intake().await;
     let created =
         call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("k"), Some(image("x"))).await;
     let task_id = created.body["task_id"].as_str().expect("id").to_owned();
     let url = format!("{}/v1/tasks/{task_id}/resolution", intake.base);
     let token = Some(intake.acme.clone());
+    let resolve = |token: Option<String>, body: Value| call("POST", url.clone(), token, None, Some(body.to_string()));
+    let accept = |case: &str| json!({"case_id": case, "action": "accept_failed"});
+    let retry = |case: &str| json!({"case_id": case, "action": "retry_as_new", "acknowledge_possible_charge": true});
 
-    let early =
-        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "accept_failed"}).to_string())).await;
+    let early = resolve(token.clone(), accept("case-1")).await;
     assert_eq!((early.status, early.body["type"].as_str()), (409, Some("/problems/not-resolvable")));
+    let foreign = resolve(Some(intake.globex.clone()), accept("case-1")).await;
+    assert_eq!((foreign.status, foreign.body["type"].as_str()), (404, Some("/problems/task-not-found")));
 
     // The scheduler (simulated here) declared the outcome unknown.
-    sqlx::query(
-        "INSERT INTO task_view (task_id, tenant, kind, state, attempt, case_id, updated_at, version) \
-         VALUES ($1, 'acme', 'image.generate', 'outcome_unknown', 1, 'case-1', now(), 5)",
-    )
-    .bind(uuid::Uuid::parse_str(&task_id).expect("uuid"))
-    .execute(&intake.pool)
-    .await
-    .expect("view row");
-
-    let unacknowledged =
-        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "retry_as_new"}).to_string())).await;
+    project(&intake, &task_id, "outcome_unknown", "case-1", 5).await;
+    let foreign = resolve(Some(intake.globex.clone()), accept("case-1")).await;
+    assert_eq!(foreign.status, 404, "another tenant's task is not found, whatever its state");
+    let unacknowledged = resolve(token.clone(), json!({"case_id": "case-1", "action": "retry_as_new"})).await;
     assert_eq!(unacknowledged.status, 400);
     assert!(unacknowledged.body["detail"].as_str().unwrap_or_default().contains("acknowledge_possible_charge"));
-    let no_result =
-        call("POST", url.clone(), token.clone(), None, Some(json!({"action": "attach_result"}).to_string())).await;
+    let no_result = resolve(token.clone(), json!({"case_id": "case-1", "action": "attach_result"})).await;
     assert_eq!(no_result.status, 400);
+    let no_case = resolve(token.clone(), json!({"action": "accept_failed"})).await;
+    assert_eq!((no_case.status, no_case.body["type"].as_str()), (400, Some("/problems/invalid-request")));
+    let stale = resolve(token.clone(), accept("case-0")).await;
+    assert_eq!((stale.status, stale.body["type"].as_str()), (409, Some("/problems/case-changed")), "{:?}", stale.body);
 
-    let retry = json!({"action": "retry_as_new", "acknowledge_possible_charge": true}).to_string();
-    let first = call("POST", url.clone(), token.clone(), None, Some(retry.clone())).await;
+    // An approval, sent twice with the same payload, is one signal.
+    let approve = || {
+        call(
+            "POST",
+            format!("{}/v1/tasks/{task_id}/signals/approve", intake.base),
+            token.clone(),
+            None,
+            Some("{}".into()),
+        )
+    };
+    assert_eq!(approve().await.body["repeated"], false);
+    assert_eq!(approve().await.body["repeated"], true);
+
+    let first = resolve(token.clone(), retry("case-1")).await;
     assert_eq!((first.status, first.body["repeated"].as_bool()), (202, Some(false)), "{:?}", first.body);
-    let second = call("POST", url.clone(), token.clone(), None, Some(retry)).await;
-    assert_eq!(second.body["repeated"], true, "carried out once per case");
+    let second = resolve(token.clone(), retry("case-1")).await;
+    assert_eq!((second.status, second.body["repeated"].as_bool()), (202, Some(true)), "carried out once per case");
+    let other = resolve(token.clone(), accept("case-1")).await;
+    assert_eq!((other.status, other.body["type"].as_str()), (409, Some("/problems/already-resolved")));
+    assert!(other.body["detail"].as_str().unwrap_or_default().contains("retry_as_new"), "{:?}", other.body);
 
-    let events = task_events(&intake, 2).await;
+    // The new generation runs its approval step again: the same approval reaches it.
+    assert_eq!(approve().await.body["repeated"], false, "a new generation takes the same approval anew");
+
+    // Retries exhausted: the task needs a person, who can resolve it as well.
+    project(&intake, &task_id, "needs_human", "needs_human-g1-a3", 9).await;
+    let read = call("GET", format!("{}/v1/tasks/{task_id}", intake.base), token.clone(), None, None).await;
+    assert_eq!(read.body["case"]["case_id"], "needs_human-g1-a3", "{:?}", read.body);
+    assert!(read.body["case"]["evidence"][0]["finding"].as_str().unwrap_or_default().contains("exhausted"));
+    let decided = resolve(token.clone(), accept("needs_human-g1-a3")).await;
+    assert_eq!((decided.status, decided.body["repeated"].as_bool()), (202, Some(false)), "{:?}", decided.body);
+
+    let events = task_events(&intake, 5).await;
     let resolutions: Vec<_> = events
         .iter()
         .filter_map(|e| match e {
-            fenceline_events::Event::ResolutionDecided(r) => Some(r),
+            fenceline_events::Event::ResolutionDecided(r) => Some((r.case_id.as_str(), r.action.as_str())),
             _ => None,
         })
         .collect();
-    assert_eq!(resolutions.len(), 1);
-    assert_eq!(resolutions[0].case_id, "case-1");
-    assert!(resolutions[0].charge_acknowledged);
+    assert_eq!(resolutions, vec![("case-1", "retry_as_new"), ("needs_human-g1-a3", "accept_failed")]);
+    let signals = events.iter().filter(|e| e.event_type() == "SignalReceived").count();
+    assert_eq!(signals, 2);
 }
 
 /// Produces a `TaskRequest` record to the upstream topic, as another system would.
@@ -513,9 +558,15 @@ async fn deliver(intake: &Intake, source: &str, event_id: &str, timestamp: i64, 
     .expect("client thread")
 }
 
+/// The `v2=` signature of one delivery, as a sender computes it.
+fn sign(secret: &str, timestamp: i64, event_id: &str, body: &str) -> String {
+    let id = fenceline_intake::webhooks::EventId::parse(event_id).expect("event id");
+    fenceline_intake::webhooks::sign(secret.as_bytes(), timestamp, &id, body.as_bytes())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signed_webhooks_become_tasks_once_and_bad_or_stale_signatures_are_refused() {
-    use fenceline_intake::webhooks::{add_secret, sign};
+    use fenceline_intake::webhooks::add_secret;
     let intake = start_intake().await;
     let tenant = Tenant::parse("acme").expect("tenant");
     let (_, old) = add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("secret");
@@ -523,29 +574,73 @@ async fn signed_webhooks_become_tasks_once_and_bad_or_stale_signatures_are_refus
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     let body = json!({"ticket": 81723, "subject": "refund please"}).to_string();
 
-    let first = deliver(&intake, "helpdesk", "evt-1", now, &sign(old.as_bytes(), now, body.as_bytes()), &body).await;
+    let first = deliver(&intake, "helpdesk", "evt-1", now, &sign(&old, now, "evt-1", &body), &body).await;
     assert_eq!(first.status, 202, "{:?}", first.body);
     // The sender retries after 5 seconds, now signing with the new secret.
-    let resent = deliver(&intake, "helpdesk", "evt-1", now, &sign(new.as_bytes(), now, body.as_bytes()), &body).await;
+    let resent = deliver(&intake, "helpdesk", "evt-1", now, &sign(&new, now, "evt-1", &body), &body).await;
     assert_eq!((resent.status, resent.replayed), (202, true));
     assert_eq!(resent.body["task_id"], first.body["task_id"], "deduplicated by the source's event id");
 
-    let tampered = deliver(&intake, "helpdesk", "evt-2", now, &sign(new.as_bytes(), now, b"{}"), &body).await;
-    let stale =
-        deliver(&intake, "helpdesk", "evt-3", now - 600, &sign(new.as_bytes(), now - 600, body.as_bytes()), &body)
-            .await;
-    let unknown = deliver(&intake, "nobody", "evt-4", now, &sign(new.as_bytes(), now, body.as_bytes()), &body).await;
+    let tampered = deliver(&intake, "helpdesk", "evt-2", now, &sign(&new, now, "evt-2", "{}"), &body).await;
+    let stale = deliver(&intake, "helpdesk", "evt-3", now - 600, &sign(&new, now - 600, "evt-3", &body), &body).await;
+    let unknown = deliver(&intake, "nobody", "evt-4", now, &sign(&new, now, "evt-4", &body), &body).await;
     for refused in [&tampered, &stale, &unknown] {
         assert_eq!((refused.status, refused.body["type"].as_str()), (401, Some("/problems/bad-signature")));
     }
     // A third secret retires the oldest.
     add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("third");
-    let retired = deliver(&intake, "helpdesk", "evt-5", now, &sign(old.as_bytes(), now, body.as_bytes()), &body).await;
+    let retired = deliver(&intake, "helpdesk", "evt-5", now, &sign(&old, now, "evt-5", &body), &body).await;
     assert_eq!(retired.status, 401, "the oldest secret was retired");
 
     assert_eq!(task_rows(&intake.pool).await, 1);
     let kind: String = sqlx::query_scalar("SELECT kind FROM tasks").fetch_one(&intake.pool).await.expect("kind");
     assert_eq!(kind, "ticket.triage", "mapped to the source's kind");
+}
+
+/// HMAC-SHA256 (RFC 2104) on Postgres's `sha256`, for signing the way old senders did.
+async fn hmac_sha256(pool: &sqlx::PgPool, key: &[u8], message: String) -> Vec<u8> {
+    async fn sha256(pool: &sqlx::PgPool, bytes: Vec<u8>) -> Vec<u8> {
+        sqlx::query_scalar("SELECT sha256($1)").bind(bytes).fetch_one(pool).await.expect("sha256")
+    }
+    let mut block = if key.len() > 64 { sha256(pool, key.to_vec()).await } else { key.to_vec() };
+    block.resize(64, 0);
+    let pad = |byte: u8| block.iter().map(|k| k ^ byte).collect::<Vec<u8>>();
+    let inner = sha256(pool, [pad(0x36), message.into_bytes()].concat()).await;
+    sha256(pool, [pad(0x5c), inner].concat()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_delivery_replayed_under_a_new_event_id_or_signed_the_old_way_creates_no_task() {
+    let intake = start_intake().await;
+    let tenant = Tenant::parse("acme").expect("tenant");
+    let (_, secret) =
+        fenceline_intake::webhooks::add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("s");
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let body = json!({"ticket": 81723, "subject": "refund please"}).to_string();
+    let captured = sign(&secret, now, "evt-1", &body);
+    let first = deliver(&intake, "helpdesk", "evt-1", now, &captured, &body).await;
+    assert_eq!(first.status, 202, "{:?}", first.body);
+
+    // Someone who saw that delivery sends it again inside the window, with a fresh id.
+    let replayed = deliver(&intake, "helpdesk", "evt-1-again", now, &captured, &body).await;
+    assert_eq!((replayed.status, replayed.body["type"].as_str()), (401, Some("/problems/bad-signature")));
+    // A sender still on the old scheme (HMAC of "timestamp.body", v1) is refused, saying why.
+    let pinned = hmac_sha256(&intake.pool, b"secret", "1700000000.{}".into()).await;
+    assert_eq!(
+        hex::encode(pinned),
+        "b8569b78799ff9e3cbff0fc2d63a33a2b57f3282abd07c37ae5e8e7d79a5f163",
+        "the old formula"
+    );
+    let old =
+        format!("v1={}", hex::encode(hmac_sha256(&intake.pool, secret.as_bytes(), format!("{now}.{body}")).await));
+    let old_style = deliver(&intake, "helpdesk", "evt-2", now, &old, &body).await;
+    assert_eq!((old_style.status, old_style.body["type"].as_str()), (401, Some("/problems/bad-signature")));
+    assert!(old_style.body["detail"].as_str().unwrap_or_default().contains("v1"), "{:?}", old_style.body);
+    // An event id the signed text cannot carry unambiguously is refused too.
+    let dotted = deliver(&intake, "helpdesk", "evt.3", now, &captured, &body).await;
+    assert_eq!(dotted.status, 401);
+
+    assert_eq!(task_rows(&intake.pool).await, 1, "only the original delivery became a task");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -219,12 +219,14 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
     assert!(case["resolutions"]["retry_as_new"].as_str().unwrap_or_default().contains("bill"), "{case}");
 
     // Retrying as new needs the acknowledgement that it may be billed again.
-    let (status, body) = resolve(json!({"action": "retry_as_new"})).await;
+    let case_id = case["case_id"].clone();
+    let (status, body) = resolve(json!({"case_id": case_id, "action": "retry_as_new"})).await;
     assert!(status == 400 && body.to_string().contains("acknowledge_possible_charge"), "{status} {body}");
     // Intake offers the resolution once the status (with its case) is projected.
     let deadline = tokio::time::Instant::now() + LONG;
     loop {
-        let (status, body) = resolve(json!({"action": "retry_as_new", "acknowledge_possible_charge": true})).await;
+        let (status, body) =
+            resolve(json!({"case_id": case_id, "action": "retry_as_new", "acknowledge_possible_charge": true})).await;
         if status == 202 {
             break;
         }
@@ -238,8 +240,11 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
     assert_eq!(system.provider("img").charges().await, 2, "billed again, as the person acknowledged");
 
     // The same decision again changes nothing.
-    let (again, _) = resolve(json!({"action": "retry_as_new", "acknowledge_possible_charge": true})).await;
-    assert!((400..500).contains(&again), "a settled task takes no second resolution ({again})");
+    let (again, body) =
+        resolve(json!({"case_id": case_id, "action": "retry_as_new", "acknowledge_possible_charge": true})).await;
+    assert_eq!((again, body["repeated"].as_bool()), (202, Some(true)), "a repeat of the recorded decision: {body}");
+    let (other, body) = resolve(json!({"case_id": case_id, "action": "accept_failed"})).await;
+    assert_eq!((other, body["type"].as_str()), (409, Some("/problems/already-resolved")), "{body}");
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(system.provider("img").calls().await.len(), 2);
 }

@@ -1,7 +1,8 @@
 //! What a client may ask of an accepted task: cancel it, signal it (an approval),
-//! resolve an `outcome_unknown` case. Each request becomes one event on
-//! `fenceline.tasks` for the scheduler, the authority on task state; a repeated
-//! request finds its earlier row and sends nothing again.
+//! resolve the case of a task that waits for a person (`outcome_unknown`,
+//! `needs_human`). Each request becomes one event on `fenceline.tasks` for the
+//! scheduler, the authority on task state; a repeated request finds its earlier row
+//! and sends nothing again.
 
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::ids::TaskId;
@@ -89,8 +90,21 @@ pub fn parse_signal_name(name: &str) -> Result<&str, ApiError> {
     if valid { Ok(name) } else { Err(ApiError::InvalidRequest(format!("`{name}` is not a valid signal name"))) }
 }
 
+/// The identity of a signal sent without an `Idempotency-Key`: the payload's
+/// sha256, scoped to the task's generation (the `retry_as_new` resolutions before
+/// it), so the same approval sent twice is one signal while a new generation, which
+/// runs its approval steps again, takes the same approval anew.
+///
+/// Do not change: it is the dedup identity of stored signals, here and at the scheduler.
+pub fn payload_signal_id(payload: &serde_json::Value, generation: i64) -> String {
+    let hash = hex::encode(Sha256::digest(payload.to_string().as_bytes()));
+    if generation == 0 { hash } else { format!("{hash}:generation-{generation}") }
+}
+
 /// Delivers a signal. Its identity is the `Idempotency-Key` if given, else the
-/// payload itself: the same approval sent twice is one signal.
+/// payload within the task's generation ([`payload_signal_id`]). The scheduler
+/// keeps a signal that arrives before its wait begins, so an approval given early
+/// is not lost.
 pub async fn signal(
     pool: &PgPool,
     outbox: &OutboxWriter,
@@ -100,28 +114,45 @@ pub async fn signal(
     key: Option<&str>,
     payload: &serde_json::Value,
 ) -> Result<ActionAccepted, ApiError> {
+    let mut tx = pool.begin().await?;
+    lock_task(&mut tx, tenant, task_id).await?;
     let signal_id = match key {
         Some(key) => key.to_owned(),
-        None => hex::encode(Sha256::digest(payload.to_string().as_bytes())),
+        None => {
+            let generation: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = 'retry_as_new'")
+                    .bind(task_id.as_uuid())
+                    .fetch_one(&mut *tx)
+                    .await?;
+            payload_signal_id(payload, generation)
+        }
     };
-    let dedup = sqlx::query(
+    let fresh = sqlx::query(
         "INSERT INTO signals (task_id, signal_name, signal_id, payload) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
     )
     .bind(task_id.as_uuid())
     .bind(name)
-    .bind(signal_id.clone())
-    .bind(payload);
-    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
-        Event::SignalReceived(SignalReceived {
+    .bind(&signal_id)
+    .bind(payload)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if fresh {
+        let event = Event::SignalReceived(SignalReceived {
             task_id,
             tenant: tenant.as_str().to_owned(),
             signal_name: name.to_owned(),
             signal_id,
             payload_json: payload.to_string(),
             received_at: Timestamp::now(),
-        })
-    })
-    .await?;
+        });
+        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    }
+    tx.commit().await?;
+    if fresh {
+        outbox.committed();
+    }
     Ok(ActionAccepted { task_id, action: format!("signal:{name}"), repeated: !fresh })
 }
 
@@ -129,6 +160,10 @@ pub async fn signal(
 #[derive(Debug, Clone, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Resolve {
+    /// The case the person read (`case_id` of `GET /v1/tasks/{id}`); refused with
+    /// `409 case-changed` if the task's case is another one by now.
+    #[schema(min_length = 1)]
+    pub case_id: String,
     /// `retry_as_new`, `accept_failed` or `attach_result`.
     #[schema(pattern = "^(retry_as_new|accept_failed|attach_result)$")]
     pub action: String,
@@ -153,7 +188,10 @@ pub struct AttachedResult {
     pub size_bytes: i64,
 }
 
-/// Records a person's resolution of the task's `outcome_unknown` case, once per case.
+/// Records a person's resolution of the case of a task that waits for a person
+/// (`outcome_unknown` or `needs_human`), once per case. The same resolution again
+/// answers `repeated: true`; a different one for a case already resolved, or one
+/// naming a case that is no longer the task's, is refused with a `409`.
 pub async fn resolve(
     pool: &PgPool,
     outbox: &OutboxWriter,
@@ -164,6 +202,9 @@ pub async fn resolve(
 ) -> Result<ActionAccepted, ApiError> {
     let action: ResolutionAction =
         request.action.parse().map_err(|e| ApiError::InvalidRequest(format!("action: {e}")))?;
+    if request.case_id.is_empty() || request.case_id.contains('\0') {
+        return Err(ApiError::InvalidRequest("case_id: the case_id the task shows".into()));
+    }
     if action == ResolutionAction::RetryAsNew && !request.acknowledge_possible_charge {
         return Err(ApiError::InvalidRequest(
             "retry_as_new starts a new operation that the provider may bill again; \
@@ -189,45 +230,85 @@ pub async fn resolve(
         (_, Some(_)) => return Err(ApiError::InvalidRequest("only attach_result takes a result".into())),
         (_, None) => None,
     };
-    // The projected state is advisory (the scheduler decides); it turns away
-    // resolutions of tasks that are plainly not in doubt.
+    let mut tx = pool.begin().await?;
+    // Another tenant's task is not found, before anything about its state is said.
+    lock_task(&mut tx, tenant, task_id).await?;
+    // The projected state is advisory (the scheduler decides, and applies a
+    // resolution only to the case it names); it turns away resolutions of tasks
+    // that plainly do not wait for a person, and of cases that were replaced.
     let view: Option<(String, Option<String>)> =
         sqlx::query_as("SELECT state, case_id FROM task_view WHERE task_id = $1 AND tenant = $2")
             .bind(task_id.as_uuid())
             .bind(tenant.as_str())
-            .fetch_optional(pool)
+            .fetch_optional(&mut *tx)
             .await?;
-    let (state, case_id) = view.unwrap_or((TaskState::Queued.as_str().to_owned(), None));
-    let case_id = match (state.as_str(), case_id) {
-        (s, Some(case)) if s == TaskState::OutcomeUnknown.as_str() => case,
+    let (state, current) = view.unwrap_or((TaskState::Queued.as_str().to_owned(), None));
+    let waits = [TaskState::OutcomeUnknown.as_str(), TaskState::NeedsHuman.as_str()].contains(&state.as_str());
+    // A case already resolved answers for itself even after the task moved on.
+    let recorded: Option<(String, bool, Option<sqlx::types::Json<ArtifactRef>>)> = sqlx::query_as(
+        "SELECT action, charge_acknowledged, attached_result FROM resolutions WHERE task_id = $1 AND case_id = $2",
+    )
+    .bind(task_id.as_uuid())
+    .bind(&request.case_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((recorded_action, acknowledged, result)) = recorded {
+        let same = recorded_action == action.as_str()
+            && acknowledged == request.acknowledge_possible_charge
+            && result.map(|r| r.0) == attached;
+        if same {
+            return Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: true });
+        }
+        return Err(ApiError::AlreadyResolved(format!(
+            "case {} of task {task_id} was already resolved with {recorded_action}",
+            request.case_id
+        )));
+    }
+    let current = match (waits, current) {
+        (true, Some(case)) => case,
         _ => {
             return Err(ApiError::NotResolvable(format!(
-                "task {task_id} is {state}; only a task in outcome_unknown can be resolved"
+                "task {task_id} is {state}; only a task in outcome_unknown or needs_human can be resolved"
             )));
         }
     };
-    let dedup = sqlx::query(
+    if current != request.case_id {
+        return Err(ApiError::CaseChanged(format!(
+            "task {task_id} now shows case {current}, not {}; read it again before deciding",
+            request.case_id
+        )));
+    }
+    // The primary key (task, case) serialises two people deciding at once: the
+    // second waits for the first and then finds its row.
+    let inserted = sqlx::query(
         "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by) \
          VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
     )
     .bind(task_id.as_uuid())
-    .bind(case_id.clone())
+    .bind(&current)
     .bind(action.as_str())
     .bind(request.acknowledge_possible_charge)
     .bind(attached.clone().map(sqlx::types::Json))
-    .bind(who);
-    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
-        Event::ResolutionDecided(ResolutionDecided {
-            task_id,
-            tenant: tenant.as_str().to_owned(),
-            case_id,
-            action,
-            charge_acknowledged: request.acknowledge_possible_charge,
-            attached_result: attached,
-            decided_by: who.to_owned(),
-            decided_at: Timestamp::now(),
-        })
-    })
-    .await?;
-    Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: !fresh })
+    .bind(who)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        return Err(ApiError::AlreadyResolved(format!("case {current} of task {task_id} was resolved meanwhile")));
+    }
+    let event = Event::ResolutionDecided(ResolutionDecided {
+        task_id,
+        tenant: tenant.as_str().to_owned(),
+        case_id: current,
+        action,
+        charge_acknowledged: request.acknowledge_possible_charge,
+        attached_result: attached,
+        decided_by: who.to_owned(),
+        decided_at: Timestamp::now(),
+    });
+    outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    tx.commit().await?;
+    outbox.committed();
+    Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: false })
 }

@@ -372,7 +372,8 @@ async fn signal(
     Ok(HttpResponse::Accepted().json(accepted))
 }
 
-/// Resolves an `outcome_unknown` task: `retry_as_new` (needs
+/// Resolves the case of a task that waits for a person (`outcome_unknown` or
+/// `needs_human`), naming the case read: `retry_as_new` (needs
 /// `acknowledge_possible_charge: true`), `accept_failed` or `attach_result`.
 #[utoipa::path(
     post, path = "/v1/tasks/{task_id}/resolution", tag = "tasks",
@@ -383,7 +384,7 @@ async fn signal(
         (status = 400, description = "A bad resolution", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The task is not in outcome_unknown", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task does not wait for a person, its case changed, or the case was already resolved otherwise", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
@@ -402,15 +403,18 @@ async fn resolve(
 }
 
 /// A signed delivery from a configured source becomes a task, once per event id.
-/// Every refusal (unknown source, missing or stale timestamp, bad signature)
-/// answers 401 alike, so a prober learns nothing about which sources exist.
+/// The signature covers the timestamp, the event id and the body, so a captured
+/// delivery re-sent under a new event id is refused. Every refusal (unknown
+/// source, missing or stale timestamp, missing or bad event id, bad or old-style
+/// signature) answers 401 alike, so a prober learns nothing about which sources exist.
 #[utoipa::path(
     post, path = "/v1/webhooks/{source}", tag = "webhooks", security(()),
     params(
         ("source" = String, Path, description = "The configured sender"),
         ("Fenceline-Timestamp" = String, Header, description = "Unix seconds; within the tolerance of now"),
-        ("Fenceline-Signature" = String, Header, description = "`v1=` and the hex HMAC-SHA256 of `timestamp.body`"),
-        ("Fenceline-Event-Id" = String, Header, description = "The sender's event id; a redelivery makes no second task"),
+        ("Fenceline-Signature" = String, Header, description = "`v2=` and the hex HMAC-SHA256 of `timestamp.event_id.body`"),
+        ("Fenceline-Event-Id" = String, Header, description = "The sender's event id, signed; a redelivery makes no second task",
+         min_length = 1, max_length = 200, pattern = "^[!-\\-/-~]{1,200}$"),
     ),
     request_body(content = Object, content_type = "application/json", description = "The event: the task's input"),
     responses(
@@ -418,8 +422,8 @@ async fn resolve(
             ("Location" = String, description = "The task's status URL"),
             ("Idempotent-Replayed" = String, description = "`true` for a redelivery"),
         )),
-        (status = 400, description = "No event id, or a body that is not a JSON object", body = problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Unknown source, or a missing, bad or stale signature", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 400, description = "A body that is not a JSON object", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Unknown source, or a missing, bad, old-style or stale signature or event id", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "The input fails the kind's schema", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
@@ -436,18 +440,17 @@ async fn webhook(
     let refused = |e: webhooks::SignatureError| ApiError::BadSignature(e.to_string());
     let source = webhooks::source(&pool, &path).await?.ok_or_else(|| refused(webhooks::SignatureError::NoMatch))?;
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
-    webhooks::verify(
+    let event_id = webhooks::verify(
         &source.secrets,
         header(webhooks::headers::TIMESTAMP),
+        header(webhooks::headers::EVENT_ID),
         header(webhooks::headers::SIGNATURE),
         &body,
         now,
         state.webhook_tolerance_seconds,
     )
     .map_err(refused)?;
-    let event_id = header(webhooks::headers::EVENT_ID)
-        .ok_or_else(|| ApiError::InvalidRequest(format!("the {} header is missing", webhooks::headers::EVENT_ID)))?;
-    let key = IdempotencyKey::parse(&format!("webhook:{}:{event_id}", path.as_str()))?;
+    let key = IdempotencyKey::parse(&format!("webhook:{}:{}", path.as_str(), event_id.as_str()))?;
     let input: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("body: {e}")))?;
     let task = SubmitTask {

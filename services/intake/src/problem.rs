@@ -27,6 +27,10 @@ pub enum ApiError {
     #[error("{0}")]
     NotResolvable(String),
     #[error("{0}")]
+    CaseChanged(String),
+    #[error("{0}")]
+    AlreadyResolved(String),
+    #[error("{0}")]
     InputInvalid(String),
     #[error("internal error; it was logged")]
     Internal(#[from] sqlx::Error),
@@ -62,6 +66,8 @@ impl ApiError {
             ApiError::IdempotencyKeyReused => "/problems/idempotency-key-reused",
             ApiError::UnknownKind(_) => "/problems/unknown-kind",
             ApiError::NotResolvable(_) => "/problems/not-resolvable",
+            ApiError::CaseChanged(_) => "/problems/case-changed",
+            ApiError::AlreadyResolved(_) => "/problems/already-resolved",
             ApiError::InputInvalid(_) => "/problems/input-invalid",
             ApiError::Internal(_) | ApiError::Bus(_) => "/problems/internal",
         }
@@ -77,6 +83,8 @@ impl ApiError {
             ApiError::IdempotencyKeyReused => "Idempotency-Key reused",
             ApiError::UnknownKind(_) => "Unknown task kind",
             ApiError::NotResolvable(_) => "Task cannot be resolved",
+            ApiError::CaseChanged(_) => "The task's case changed",
+            ApiError::AlreadyResolved(_) => "The case was already resolved",
             ApiError::InputInvalid(_) => "Input does not match its kind's schema",
             ApiError::Internal(_) | ApiError::Bus(_) => "Internal error",
         }
@@ -94,7 +102,9 @@ impl ResponseError for ApiError {
             ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) | ApiError::InputInvalid(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
-            ApiError::NotResolvable(_) => StatusCode::CONFLICT,
+            ApiError::NotResolvable(_) | ApiError::CaseChanged(_) | ApiError::AlreadyResolved(_) => {
+                StatusCode::CONFLICT
+            }
             ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

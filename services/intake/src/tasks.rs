@@ -308,8 +308,8 @@ pub struct TaskView {
     pub updated_at: OffsetDateTime,
     /// Grows with every change the scheduler publishes.
     pub version: i64,
-    /// For `outcome_unknown` (single reads only): the evidence and what each
-    /// resolution would do.
+    /// For `outcome_unknown` and `needs_human` (single reads only): the case a
+    /// resolution names, its evidence, and what each resolution would do.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub case: Option<CaseView>,
     /// Single reads only: every attempt a worker took up, oldest first, with how it ended.
@@ -325,7 +325,7 @@ pub struct AttemptView {
     /// busy, waiting for a signal, cancelled, shutting down) or `lost` (its worker
     /// vanished; then `recovery` says what the evidence decided).
     pub outcome: String,
-    /// For `failed`: the error class (DESIGN.md section 7).
+    /// For `failed`: the error class (docs/provider-protocol.md).
     pub error_class: Option<String>,
     /// The failure's message, the release reason, or the phase a lost worker was last seen in.
     pub detail: Option<String>,
@@ -443,6 +443,17 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
         view.case = case.map(|(case_id, evidence)| CaseView {
             case_id,
             evidence: evidence.0.into_iter().map(EvidenceView::from).collect(),
+            resolutions: CaseView::resolutions(),
+        });
+    }
+    // The scheduler names the case of a task that needs a person; its reason is the evidence.
+    if view.state == TaskState::NeedsHuman.as_str()
+        && let Some(case_id) = view.case_id.clone()
+    {
+        let finding = view.reason.clone().unwrap_or_default();
+        view.case = Some(CaseView {
+            case_id,
+            evidence: vec![EvidenceView { source: "scheduler".into(), observed_at: view.updated_at, finding }],
             resolutions: CaseView::resolutions(),
         });
     }

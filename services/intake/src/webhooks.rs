@@ -1,9 +1,11 @@
-//! Signed webhooks: `POST /v1/webhooks/{source}`. The sender signs
-//! `"{timestamp}.{body}"` with HMAC-SHA256 under one of the source's secrets and
-//! sends `Fenceline-Timestamp` (Unix seconds), `Fenceline-Signature`
-//! (`v1=<hex>`, several comma-separated during a rotation) and `Fenceline-Event-Id`
-//! (its own id of the delivery). A verified delivery becomes a task of the source's
-//! kind, deduplicated by the event id, and is answered at once.
+//! Signed webhooks: `POST /v1/webhooks/{source}` (docs/intake.md). The sender signs
+//! `"{timestamp}.{event_id}.{body}"` with HMAC-SHA256 under one of the source's
+//! secrets and sends `Fenceline-Timestamp` (Unix seconds), `Fenceline-Event-Id` (its
+//! own id of the delivery) and `Fenceline-Signature` (`v2=<hex>`, several
+//! comma-separated during a rotation). The event id is the dedup identity, so it is
+//! signed: a captured delivery re-sent under a new id does not verify. A verified
+//! delivery becomes a task of the source's kind, once per event id, and is
+//! answered at once.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -26,57 +28,93 @@ pub enum SignatureError {
     Missing(&'static str),
     #[error("the timestamp is not Unix seconds")]
     BadTimestamp,
+    #[error("the event id must be 1 to {EVENT_ID_MAX} visible ASCII characters other than `.`")]
+    BadEventId,
+    #[error("v1 signatures do not cover the event id and are refused; sign `timestamp.event_id.body` as v2")]
+    OldScheme,
     #[error("the timestamp is {0} s away from now, beyond the tolerance")]
     Stale(i64),
     #[error("no signature matches an active secret of this source")]
     NoMatch,
 }
 
+/// The longest event id a sender may use.
+pub const EVENT_ID_MAX: usize = 200;
+
+/// A sender's id of one delivery: 1 to [`EVENT_ID_MAX`] visible ASCII characters
+/// without `.`, which separates the parts of the signed text (so no other split of
+/// the same text yields a different id and body).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventId(String);
+
+impl EventId {
+    pub fn parse(raw: &str) -> Result<Self, SignatureError> {
+        let valid =
+            !raw.is_empty() && raw.len() <= EVENT_ID_MAX && raw.bytes().all(|b| b.is_ascii_graphic() && b != b'.');
+        if valid { Ok(Self(raw.to_owned())) } else { Err(SignatureError::BadEventId) }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Do not change: the text senders sign, `"{timestamp}.{event_id}.{body}"`.
+fn mac_of(secret: &[u8], timestamp: &str, event_id: &EventId, body: &[u8]) -> Option<Hmac<Sha256>> {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).ok()?;
+    mac.update(timestamp.as_bytes());
+    mac.update(b".");
+    mac.update(event_id.0.as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    Some(mac)
+}
+
 /// Checks a delivery: the timestamp within `tolerance_s` of `now_s`, and one of the
-/// `v1=` signatures an HMAC-SHA256 of `"{timestamp}.{body}"` under one of `secrets`,
-/// compared in constant time.
+/// `v2=` signatures an HMAC-SHA256 of `"{timestamp}.{event_id}.{body}"` under one
+/// of `secrets`, compared in constant time. Returns the verified event id.
 pub fn verify(
     secrets: &[Vec<u8>],
     timestamp: Option<&str>,
+    event_id: Option<&str>,
     signature: Option<&str>,
     body: &[u8],
     now_s: i64,
     tolerance_s: i64,
-) -> Result<(), SignatureError> {
-    let timestamp = timestamp.ok_or(SignatureError::Missing(headers::TIMESTAMP))?;
+) -> Result<EventId, SignatureError> {
+    let timestamp = timestamp.ok_or(SignatureError::Missing(headers::TIMESTAMP))?.trim();
+    let event_id = EventId::parse(event_id.ok_or(SignatureError::Missing(headers::EVENT_ID))?.trim())?;
     let signature = signature.ok_or(SignatureError::Missing(headers::SIGNATURE))?;
-    let sent: i64 = timestamp.trim().parse().map_err(|_| SignatureError::BadTimestamp)?;
+    let sent: i64 = timestamp.parse().map_err(|_| SignatureError::BadTimestamp)?;
     let skew = now_s - sent;
     if skew.abs() > tolerance_s {
         return Err(SignatureError::Stale(skew));
     }
-    let candidates: Vec<Vec<u8>> = signature
-        .split(',')
-        .filter_map(|part| part.trim().strip_prefix("v1="))
+    let parts: Vec<&str> = signature.split(',').map(str::trim).collect();
+    let candidates: Vec<Vec<u8>> = parts
+        .iter()
+        .filter_map(|part| part.strip_prefix("v2="))
         .filter_map(|hex_sig| hex::decode(hex_sig).ok())
         .collect();
+    if candidates.is_empty() && parts.iter().any(|part| part.starts_with("v1=")) {
+        return Err(SignatureError::OldScheme);
+    }
     for secret in secrets {
         for candidate in &candidates {
-            let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret) else { continue };
-            mac.update(timestamp.trim().as_bytes());
-            mac.update(b".");
-            mac.update(body);
+            let Some(mac) = mac_of(secret, timestamp, &event_id, body) else { continue };
             if mac.verify_slice(candidate).is_ok() {
-                return Ok(());
+                return Ok(event_id);
             }
         }
     }
     Err(SignatureError::NoMatch)
 }
 
-/// The `v1=` signature a sender computes; for senders' libraries and tests.
-pub fn sign(secret: &[u8], timestamp: i64, body: &[u8]) -> String {
+/// The `v2=` signature a sender computes; for senders' libraries and tests.
+pub fn sign(secret: &[u8], timestamp: i64, event_id: &EventId, body: &[u8]) -> String {
     // HMAC accepts keys of any length.
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).unwrap_or_else(|_| unreachable!("any key length"));
-    mac.update(timestamp.to_string().as_bytes());
-    mac.update(b".");
-    mac.update(body);
-    format!("v1={}", hex::encode(mac.finalize().into_bytes()))
+    let mac = mac_of(secret, &timestamp.to_string(), event_id, body).unwrap_or_else(|| unreachable!("any key length"));
+    format!("v2={}", hex::encode(mac.finalize().into_bytes()))
 }
 
 /// A configured source: where its deliveries go and its active secrets.
@@ -149,43 +187,80 @@ mod tests {
         vec![b"old-secret".to_vec(), b"new-secret".to_vec()]
     }
 
+    fn id(raw: &str) -> EventId {
+        EventId::parse(raw).expect("event id")
+    }
+
+    fn check(id: &str, sig: &str, body: &[u8], now: i64) -> Result<EventId, SignatureError> {
+        verify(&secrets(), Some(&NOW.to_string()), Some(id), Some(sig), body, now, 300)
+    }
+
     #[test]
     fn a_signature_under_either_active_secret_is_accepted() {
         for secret in secrets() {
-            let sig = sign(&secret, NOW, b"{}");
-            assert_eq!(verify(&secrets(), Some(&NOW.to_string()), Some(&sig), b"{}", NOW, 300), Ok(()));
+            let sig = sign(&secret, NOW, &id("evt-1"), b"{}");
+            assert_eq!(check("evt-1", &sig, b"{}", NOW), Ok(id("evt-1")));
         }
-        let both = format!("{},{}", sign(b"retired", NOW, b"{}"), sign(b"new-secret", NOW, b"{}"));
-        assert_eq!(verify(&secrets(), Some(&NOW.to_string()), Some(&both), b"{}", NOW, 300), Ok(()));
+        let both = format!("{},{}", sign(b"retired", NOW, &id("e"), b"{}"), sign(b"new-secret", NOW, &id("e"), b"{}"));
+        assert_eq!(check("e", &both, b"{}", NOW), Ok(id("e")));
     }
 
     #[test]
     fn tampering_staleness_and_missing_headers_are_refused() {
-        let sig = sign(b"new-secret", NOW, b"{\"a\":1}");
+        let sig = sign(b"new-secret", NOW, &id("evt-1"), b"{\"a\":1}");
         let ts = NOW.to_string();
-        assert_eq!(verify(&secrets(), Some(&ts), Some(&sig), b"{\"a\":2}", NOW, 300), Err(SignatureError::NoMatch));
+        assert_eq!(check("evt-1", &sig, b"{\"a\":2}", NOW), Err(SignatureError::NoMatch));
+        assert_eq!(check("evt-1", &sig, b"{\"a\":1}", NOW + 301), Err(SignatureError::Stale(301)));
         assert_eq!(
-            verify(&secrets(), Some(&ts), Some(&sig), b"{\"a\":1}", NOW + 301, 300),
-            Err(SignatureError::Stale(301))
-        );
-        assert_eq!(
-            verify(&secrets(), None, Some(&sig), b"", NOW, 300),
+            verify(&secrets(), None, Some("e"), Some(&sig), b"", NOW, 300),
             Err(SignatureError::Missing(headers::TIMESTAMP))
         );
         assert_eq!(
-            verify(&secrets(), Some(&ts), None, b"", NOW, 300),
+            verify(&secrets(), Some(&ts), Some("e"), None, b"", NOW, 300),
             Err(SignatureError::Missing(headers::SIGNATURE))
         );
-        assert_eq!(verify(&secrets(), Some("soon"), Some(&sig), b"", NOW, 300), Err(SignatureError::BadTimestamp));
-        assert_eq!(verify(&[], Some(&ts), Some(&sig), b"{\"a\":1}", NOW, 300), Err(SignatureError::NoMatch));
+        assert_eq!(
+            verify(&secrets(), Some(&ts), None, Some(&sig), b"", NOW, 300),
+            Err(SignatureError::Missing(headers::EVENT_ID))
+        );
+        assert_eq!(
+            verify(&secrets(), Some("soon"), Some("e"), Some(&sig), b"", NOW, 300),
+            Err(SignatureError::BadTimestamp)
+        );
+        assert_eq!(
+            verify(&[], Some(&ts), Some("evt-1"), Some(&sig), b"{\"a\":1}", NOW, 300),
+            Err(SignatureError::NoMatch)
+        );
+        for bad in ["", "a.b", "with space", &"e".repeat(EVENT_ID_MAX + 1)] {
+            assert_eq!(EventId::parse(bad), Err(SignatureError::BadEventId), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_captured_delivery_under_a_new_event_id_does_not_verify() {
+        let body = b"{\"ticket\":81723}";
+        let sig = sign(b"new-secret", NOW, &id("evt-1"), body);
+        assert_eq!(check("evt-1", &sig, body, NOW), Ok(id("evt-1")));
+        assert_eq!(check("evt-2", &sig, body, NOW), Err(SignatureError::NoMatch));
+    }
+
+    #[test]
+    fn old_signatures_without_the_event_id_are_refused() {
+        // What a sender of the old scheme computes: HMAC of "{timestamp}.{body}", labelled v1.
+        let mut mac = Hmac::<Sha256>::new_from_slice(b"new-secret").expect("key");
+        mac.update(format!("{NOW}.{{}}").as_bytes());
+        let old = format!("v1={}", hex::encode(mac.finalize().into_bytes()));
+        assert_eq!(check("evt-1", &old, b"{}", NOW), Err(SignatureError::OldScheme));
+        // Relabelled v2, it still does not match: the event id is not in it.
+        assert_eq!(check("evt-1", &old.replacen("v1=", "v2=", 1), b"{}", NOW), Err(SignatureError::NoMatch));
     }
 
     #[test]
     fn the_signature_formula_is_pinned() {
-        // Do not change: senders compute exactly this.
+        // Do not change: senders compute exactly this, HMAC-SHA256("secret", "1700000000.evt-1.{}").
         assert_eq!(
-            sign(b"secret", 1_700_000_000, b"{}"),
-            "v1=b8569b78799ff9e3cbff0fc2d63a33a2b57f3282abd07c37ae5e8e7d79a5f163"
+            sign(b"secret", 1_700_000_000, &id("evt-1"), b"{}"),
+            "v2=1337c301e24753d7306be70fa05c47e871a6d032d735f4ac527524d0842b74e1"
         );
     }
 }

@@ -115,8 +115,9 @@ impl Demo {
         let body = body.to_string();
         let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
         let mut mac = Hmac::<Sha256>::new_from_slice(self.config.webhook_secret.as_bytes())?;
-        mac.update(format!("{timestamp}.{body}").as_bytes());
-        let signature = format!("v1={}", hex::encode(mac.finalize().into_bytes()));
+        // The signature covers the event id too (docs/intake.md), so a replay under a new id is refused.
+        mac.update(format!("{timestamp}.{event_id}.{body}").as_bytes());
+        let signature = format!("v2={}", hex::encode(mac.finalize().into_bytes()));
         let request = ureq::http::Request::builder()
             .method("POST")
             .uri(format!("{}/v1/webhooks/helpdesk", self.config.intake))

@@ -85,8 +85,18 @@ impl Watches {
         ];
         let decision = after_loss(lost.phase, lost.request_id.is_some(), caps);
         let (state, decided) = match decision {
-            AfterLoss::RetrySafe | AfterLoss::FinishRecorded => {
+            AfterLoss::RetrySafe => {
                 found.push(evidence("reconciler", "no call had left; a retry spends nothing"));
+                ("decided", Some(RecoveryDecision::RetrySafe))
+            }
+            // The step's result was verified and checkpointed before the loss: a
+            // call did leave, and the retry resumes after it without calling again.
+            AfterLoss::FinishRecorded => {
+                found.push(evidence(
+                    "reconciler",
+                    "the step's result was recorded before the worker was lost; a retry resumes after it without \
+                     calling again",
+                ));
                 ("decided", Some(RecoveryDecision::RetrySafe))
             }
             AfterLoss::RetrySameKey => {

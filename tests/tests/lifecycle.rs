@@ -1,12 +1,16 @@
 //! Scheduler and executor together on the real stack: multi-step kinds with
 //! checkpoints and approvals, cancellation, verification of results, a pool of one
-//! connection, graceful shutdown, and a scheduler killed between deciding and
-//! publishing. The fake provider's call log is the judge.
+//! connection, graceful shutdown, a scheduler killed between deciding and
+//! publishing, and inputs that arrive before what they answer (a decision before
+//! its loss, an approval before its wait, a cancel before its task). The fake
+//! provider's call log is the judge.
 
 use std::time::Duration;
 
+use fenceline_domain::ids::GrantId;
 use fenceline_domain::ids::TaskId;
-use fenceline_events::{CancelRequested, Event, SignalReceived, Timestamp, topics};
+use fenceline_domain::vocabulary::{Phase, RecoveryDecision};
+use fenceline_events::{AttemptLost, CancelRequested, Event, RecoveryDecided, SignalReceived, Timestamp, topics};
 use fenceline_tests::system::{Caps, System};
 use serde_json::json;
 
@@ -295,4 +299,112 @@ async fn the_audit_reports_a_task_without_progress_and_clears_once_it_moves() {
         assert!(tokio::time::Instant::now() < deadline, "the finding never cleared: {body}");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// Waits until `sql` (about `task`) answers true.
+async fn wait_until(system: &System, sql: &str, task: TaskId, what: &str) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let done: Option<bool> =
+            sqlx::query_scalar(sql).bind(task.as_uuid()).fetch_optional(&system.pool).await.unwrap_or(None);
+        if done == Some(true) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what} never happened:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_decision_heard_before_the_loss_it_answers_is_applied_when_the_loss_arrives() {
+    // The scheduler alone: the test plays the executor and the reconciler, in the
+    // order no topic guarantees against (the decision first).
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    let task = system.submit("acme", "image.generate", json!({"p": 1})).await;
+    wait_until(&system, "SELECT count(*) = 1 FROM scheduler.slots WHERE task_id = $1", task, "the grant").await;
+    let grant: uuid::Uuid = sqlx::query_scalar("SELECT grant_id FROM scheduler.slots WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("grant");
+
+    let decided = Event::RecoveryDecided(RecoveryDecided {
+        task_id: task,
+        attempt: 1,
+        decision: RecoveryDecision::OutcomeUnknown,
+        case_id: Some("case-early".into()),
+        result: None,
+        evidence: Vec::new(),
+        decided_at: Timestamp::now(),
+    });
+    system.publish(topics::RECOVERY, &decided).await;
+    let kept = "SELECT lifecycle->'early_decision'->>'case_id' = 'case-early' FROM scheduler.tasks WHERE task_id = $1";
+    wait_until(&system, kept, task, "keeping the early decision").await;
+    let (state, _) = system.state(task).await.expect("task");
+    assert_eq!(state, "queued", "a decision alone does not end an attempt nobody reported lost");
+
+    let lost = Event::AttemptLost(AttemptLost {
+        task_id: task,
+        attempt: 1,
+        grant_id: GrantId::from_uuid(grant),
+        last_phase: Phase::CallIntent,
+        last_phase_at: Timestamp::now(),
+        step: Some("render".into()),
+        operation_key: None,
+        provider_request_id: None,
+        detected_at: Timestamp::now(),
+    });
+    system.publish(topics::ATTEMPTS, &lost).await;
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
+    let case: Option<String> =
+        sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("case");
+    assert_eq!(case.as_deref(), Some("case-early"));
+
+    // A person's cancel in outcome_unknown is applied, never lost.
+    cancel(&system, task).await;
+    system.wait_state(task, &["cancelled"], LONG).await;
+    let (_, reason) = system.state(task).await.expect("task");
+    assert!(reason.unwrap_or_default().contains("never established"), "the reason keeps what is unknown");
+    assert!(system.provider("img").calls().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_given_before_its_step_waits_is_kept_and_ends_the_wait_when_it_begins() {
+    let dedupe = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = System::new(&[("llm", dedupe), ("pay", dedupe)]).await;
+    // Slow first steps, so the approval surely arrives before the approval step waits.
+    system.provider("llm").rule(json!({"latency_ms": 1500, "times": 2})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "ticket.triage", json!({"ticket": "refund please"})).await;
+    signal(&system, task, "refund_approved", "pre-approval").await;
+    let kept = "SELECT jsonb_array_length(lifecycle->'kept_signals') = 1 FROM scheduler.tasks WHERE task_id = $1";
+    wait_until(&system, kept, task, "keeping the early approval").await;
+    assert!(system.provider("pay").calls().await.is_empty(), "kept, not acted on before its step");
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    assert_eq!(system.provider("llm").calls().await.len(), 2);
+    assert_eq!(system.provider("pay").calls().await.len(), 1, "the refund ran once, on the early approval");
+    // The same signal again cannot approve anything else.
+    signal(&system, task, "refund_approved", "pre-approval").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(system.provider("pay").calls().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_heard_before_its_task_is_kept_and_cancels_the_task_when_it_arrives() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn_all(None).await;
+    let task = TaskId::new_v7();
+    cancel(&system, task).await;
+    wait_until(&system, "SELECT count(*) = 1 FROM scheduler.early_requests WHERE task_id = $1", task, "keeping").await;
+    system.submit_with("acme", "image.generate", json!({"p": 1}), |t| t.task_id = task).await;
+    system.wait_state(task, &["cancelled"], LONG).await;
+    wait_until(&system, "SELECT count(*) = 0 FROM scheduler.early_requests WHERE task_id = $1", task, "clearing").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(system.provider("img").calls().await.is_empty(), "a cancelled task makes no call");
 }

@@ -60,20 +60,28 @@ pub fn postgres(url: &str, schema: &str) -> PostgresConfig {
     PostgresConfig { database_url: url.to_owned(), schema: Some(schema.to_owned()), max_connections: 8 }
 }
 
-/// Kafka settings for tests: a topic prefix of the test's own, short group timeouts.
+/// Kafka settings for tests: a topic prefix of the test's own, short group timeouts
+/// (the broker's smallest session timeout is 6 s).
 pub fn kafka(prefix: &str) -> KafkaConfig {
+    kafka_at(&brokers(), prefix)
+}
+
+/// As [`kafka`], for the brokers at `brokers`.
+pub fn kafka_at(brokers: &str, prefix: &str) -> KafkaConfig {
     KafkaConfig {
-        brokers: brokers(),
+        brokers: brokers.to_owned(),
         topic_prefix: prefix.to_owned(),
+        security: Default::default(),
         properties: Properties::default(),
-        session_timeout_ms: 20_000,
+        session_timeout_ms: 6_000,
         max_poll_interval_ms: 60_000,
         message_timeout_ms: 60_000,
+        connect_timeout_ms: 30_000,
     }
 }
 
 pub fn consumer_config() -> ConsumerConfig {
-    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168, stall_after_ms: 30_000 }
+    ConsumerConfig { batch_max: 500, batch_wait_ms: 20, dedup_retention_hours: 168 }
 }
 
 /// The settings every service shares, for a service under test on port 0.
@@ -106,8 +114,7 @@ pub fn outbox_config() -> OutboxConfig {
 }
 
 /// A fresh topic prefix with the topics the bus tests use (status, dead letters)
-/// created under it. Only those: this broker spends CPU on every partition it
-/// holds, idle or not, and a test run creates many prefixes.
+/// created under it.
 pub async fn fresh_topics() -> String {
     fresh_topics_with(&[fenceline_events::topics::STATUS, fenceline_events::topics::DEADLETTER]).await
 }
@@ -124,8 +131,8 @@ pub async fn fresh_topics_with(wanted: &[&str]) -> String {
     prefix
 }
 
-/// A consumer group of its own for one test: the broker keeps group state across
-/// tests, and a stale member of a reused group would take part in rebalances.
+/// A consumer group of its own for one test, so that no member of another test's
+/// group takes part in its rebalances.
 pub fn fresh_group() -> String {
     format!("g{}", uuid::Uuid::now_v7().simple())
 }
@@ -268,7 +275,6 @@ fn reader(brokers: &str, topic: &str) -> BaseConsumer {
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("reader-{}", uuid::Uuid::now_v7().simple()))
         .set("enable.auto.commit", "false")
-        .set("broker.address.family", "v4")
         .create()
         .expect("reader");
     let mut tpl = TopicPartitionList::new();
@@ -303,11 +309,7 @@ pub fn kafka_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) ->
 /// Produces raw bytes to a topic, as a misbehaving upstream would.
 pub async fn produce_raw(brokers: &str, topic: &str, key: &[u8], value: &[u8], headers: &[(&str, &str)]) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("broker.address.family", "v4")
-        .create()
-        .expect("producer");
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", brokers).create().expect("producer");
     let headers = kafka_headers(headers.iter().copied());
     producer
         .send(FutureRecord::to(topic).key(key).payload(value).headers(headers), Duration::from_secs(10))

@@ -98,21 +98,19 @@ impl Drop for Proc {
     }
 }
 
-/// Adds the indexes Tansu's SQLite storage lacks, as `deploy/local/stack` does
-/// for its brokers (`deploy/local/broker-indexes`, docs/broker.md).
-async fn index_broker_storage(database: &std::path::Path) {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/broker-indexes");
-    let status = tokio::process::Command::new(script).arg(database).status().await.expect("run broker-indexes");
-    assert!(status.success(), "broker-indexes failed on {}: {status}", database.display());
+/// `deploy/local/broker`, the one script that configures, formats, starts and stops
+/// a local Kafka node, for the stack and the tests alike.
+fn broker_script() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/broker")
 }
 
-/// A broker of a test's own (the stack's binary, its own folder and port), for
-/// tests that stop and restart the broker.
+/// A Kafka node of a test's own (its own folder and ports), for tests that stop and
+/// restart the broker. Every other test shares the test stack's broker.
 #[derive(Debug)]
 pub struct OwnBroker {
     dir: std::path::PathBuf,
     port: u16,
-    proc: Option<Proc>,
+    controller_port: u16,
 }
 
 impl OwnBroker {
@@ -121,8 +119,7 @@ impl OwnBroker {
             std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
         let dir = std::path::Path::new(&scratch).join(format!("broker-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("broker folder");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-        let mut broker = Self { dir, port, proc: None };
+        let broker = Self { dir, port: free_port(), controller_port: free_port() };
         broker.restart().await;
         broker
     }
@@ -131,38 +128,42 @@ impl OwnBroker {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Starts the broker again on the same folder and port; topics and records survive.
-    pub async fn restart(&mut self) {
-        let binary =
-            std::env::var("FENCELINE_TANSU_BIN").expect("FENCELINE_TANSU_BIN: run through deploy/local/stack test");
-        let url = format!("tcp://127.0.0.1:{}", self.port);
-        let mut command = Command::new(binary);
-        command
-            .current_dir(&self.dir)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-                "sqlite://tansu.db",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        self.proc = Some(Proc::capture(command.spawn().expect("start broker")));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_err() {
-            assert!(tokio::time::Instant::now() < deadline, "broker did not listen on {}", self.port);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        index_broker_storage(&self.dir.join("tansu.db")).await;
+    /// Starts the node again on the same folder and ports; topics and records
+    /// survive. Returns once a metadata request succeeds.
+    pub async fn restart(&self) {
+        let status = tokio::process::Command::new(broker_script())
+            .args(["start", &self.dir.display().to_string(), &self.port.to_string()])
+            .env("FENCELINE_BROKER_CONTROLLER_PORT", self.controller_port.to_string())
+            .env("FENCELINE_BROKER_HEAP", "256m")
+            .status()
+            .await
+            .expect("run deploy/local/broker");
+        assert!(status.success(), "deploy/local/broker start {} failed: {status}", self.dir.display());
+        let kafka = crate::kafka_at(&self.brokers(), "");
+        fenceline_bus::kafka::check_connection(&kafka, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("the broker of {} answers no metadata request: {e}", self.dir.display()));
     }
 
     /// SIGKILL, as a crash would.
-    pub fn kill(&mut self) {
-        if let Some(mut proc) = self.proc.take() {
-            proc.kill();
-        }
+    pub fn kill(&self) {
+        self.stop("kill");
     }
+
+    fn stop(&self, how: &str) {
+        let status = Command::new(broker_script()).args([how, &self.dir.display().to_string()]).status();
+        assert!(status.is_ok_and(|s| s.success()), "deploy/local/broker {how} failed");
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        let _ = Command::new(broker_script()).args(["kill", &self.dir.display().to_string()]).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A port nobody listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
 }

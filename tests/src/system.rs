@@ -1,7 +1,8 @@
 //! The whole system as processes: fake providers, scheduler, executors and the
 //! reconciler, each a real process of `fenceline-host` (fault points compiled in)
-//! on a fresh database and fresh topics, so a test can kill any of them at a named
-//! point, restart it, and judge by the fake provider's call log.
+//! on a fresh database and fresh topics (on the test stack's broker, or on a broker
+//! of the system's own where a test stops the broker), so a test can kill any of
+//! them at a named point, restart it, and judge by the fake provider's call log.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -12,12 +13,8 @@ use fenceline_domain::vocabulary::Priority;
 use fenceline_events::{Event, TaskAccepted, Timestamp, encode_record, topics};
 use serde_json::{Value, json};
 
-use crate::process::{OwnBroker, Proc};
-use crate::{PARTITIONS, fresh_database, kafka};
-
-/// The topics the services exchange.
-pub const SYSTEM_TOPICS: &[&str] =
-    &[topics::TASKS, topics::DISPATCH, topics::ATTEMPTS, topics::RECOVERY, topics::STATUS, topics::DEADLETTER];
+use crate::process::{OwnBroker, Proc, free_port};
+use crate::{PARTITIONS, fresh_database, kafka_at};
 
 /// The test binary that runs any service: beside the test executable's folder
 /// (`target/<profile>/fenceline-host`).
@@ -34,10 +31,6 @@ pub fn host_binary() -> String {
             panic!("fenceline-host is missing beside {}: build the tests package's binaries", exe.display())
         });
     host.display().to_string()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
 }
 
 /// One blocking HTTP exchange: (status, JSON body or Null).
@@ -133,27 +126,40 @@ pub struct System {
     pub urls: HashMap<String, String>,
     /// Settings every service process gets (short leases and timeouts for tests).
     pub env: Vec<(&'static str, String)>,
-    /// A broker of this system's own: this broker's CPU grows with every partition
-    /// it holds, so heavy suites do not share one that earlier tests filled.
-    pub broker: OwnBroker,
+    /// Where the system's topics are.
+    pub brokers: String,
+    /// The broker of this system's own, for tests that stop and restart it.
+    own_broker: Option<OwnBroker>,
 }
 
 impl System {
     /// Fresh database and topics, one fake provider per entry, and a catalogue with
     /// `image.generate` (one paid `render` step at the first provider) and
     /// `ticket.triage` (classify, draft, approve, refund) over them. No Fenceline
-    /// service runs yet: call [`System::spawn`].
+    /// service runs yet: call [`System::spawn`]. Its topics live on the test stack's
+    /// broker under a prefix of their own.
     pub async fn new(providers: &[(&str, Caps)]) -> Self {
+        Self::build(providers, None).await
+    }
+
+    /// As [`System::new`], on a broker of the system's own that the test may kill
+    /// and restart ([`System::broker`]).
+    pub async fn with_own_broker(providers: &[(&str, Caps)]) -> Self {
+        Self::build(providers, Some(OwnBroker::start().await)).await
+    }
+
+    /// The system's own broker; panics for a system on the shared one.
+    pub fn broker(&self) -> &OwnBroker {
+        self.own_broker.as_ref().expect("this system shares the test stack's broker: build it with_own_broker")
+    }
+
+    async fn build(providers: &[(&str, Caps)], own_broker: Option<OwnBroker>) -> Self {
         let url = fresh_database().await;
-        let broker = OwnBroker::start().await;
-        let prefix = "sys.".to_owned();
-        let mut topics_kafka = kafka(&prefix);
-        topics_kafka.brokers = broker.brokers();
-        let wanted: Vec<_> = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
-            .into_iter()
-            .filter(|t| SYSTEM_TOPICS.iter().any(|w| t.name.ends_with(*w)))
-            .collect();
-        fenceline_bus::admin::ensure_topics(&topics_kafka, &wanted, 1).await.expect("create the system's topics");
+        let brokers = own_broker.as_ref().map(OwnBroker::brokers).unwrap_or_else(crate::brokers);
+        let prefix = format!("s{}.", uuid::Uuid::now_v7().simple());
+        let topics_kafka = kafka_at(&brokers, &prefix);
+        let every = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS);
+        fenceline_bus::admin::ensure_topics(&topics_kafka, &every, 1).await.expect("create the system's topics");
         let scratch =
             std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
         let dir = PathBuf::from(scratch).join(format!("system-{}", uuid::Uuid::now_v7().simple()));
@@ -206,7 +212,7 @@ impl System {
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.expect("connect");
         let env = vec![
             ("FENCELINE_DATABASE_URL", url.clone()),
-            ("FENCELINE_KAFKA_BROKERS", broker.brokers()),
+            ("FENCELINE_KAFKA_BROKERS", brokers.clone()),
             ("FENCELINE_TOPIC_PREFIX", prefix.clone()),
             ("FENCELINE_CATALOG", catalog_path.display().to_string()),
             ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
@@ -233,7 +239,8 @@ impl System {
             retired: Vec::new(),
             urls: HashMap::new(),
             env,
-            broker,
+            brokers,
+            own_broker,
         }
     }
 
@@ -369,8 +376,7 @@ impl System {
     ) -> Vec<TaskId> {
         use rdkafka::producer::{FutureProducer, FutureRecord};
         let producer: FutureProducer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", self.broker.brokers())
-            .set("broker.address.family", "v4")
+            .set("bootstrap.servers", &self.brokers)
             .set("linger.ms", "20")
             .create()
             .expect("producer");
@@ -413,14 +419,8 @@ impl System {
         let pairs = headers.to_pairs();
         let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let key = event.task_id().map(|t| t.to_string()).unwrap_or_default();
-        crate::produce_raw(
-            &self.broker.brokers(),
-            &format!("{}{topic}", self.prefix),
-            key.as_bytes(),
-            &payload,
-            &borrowed,
-        )
-        .await;
+        crate::produce_raw(&self.brokers, &format!("{}{topic}", self.prefix), key.as_bytes(), &payload, &borrowed)
+            .await;
     }
 
     /// The scheduler's state of a task and its reason.

@@ -82,12 +82,8 @@ fn probe_env(url: &str, prefix: &str, group: &str, instance: &str) -> Vec<(&'sta
 
 /// Offsets the broker holds for `group` on the status topic, summed.
 fn broker_committed(prefix: &str, group: &str) -> i64 {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", group)
-        .set("broker.address.family", "v4")
-        .create()
-        .expect("reader");
+    let consumer: BaseConsumer =
+        ClientConfig::new().set("bootstrap.servers", brokers()).set("group.id", group).create().expect("reader");
     let mut tpl = TopicPartitionList::new();
     for p in 0..PARTITIONS {
         tpl.add_partition(&topics::named(prefix, topics::STATUS), p);
@@ -334,7 +330,7 @@ async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_down_for_30_seconds_delays_events_but_loses_none() {
-    let mut broker = fenceline_tests::process::OwnBroker::start().await;
+    let broker = fenceline_tests::process::OwnBroker::start().await;
     let url = fresh_database().await;
     let prefix = "down.".to_owned();
     let mut kafka = kafka(&prefix);

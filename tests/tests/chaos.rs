@@ -340,7 +340,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         plan.seed
     );
     let mut rng = StdRng::seed_from_u64(plan.seed);
-    let mut system = System::new(&[
+    let mut system = System::with_own_broker(&[
         ("imagegen", Caps { lookup: true, ..Caps::default() }),
         ("sketcher", Caps::default()),
         ("llm", Caps { idempotency_keys: true, ..Caps::default() }),
@@ -394,9 +394,9 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2_000..5_000))).await;
         revive(&mut system, &mut figures).await;
         if figures.broker_restarts == 0 && started.elapsed() >= broker_at {
-            system.broker.kill();
+            system.broker().kill();
             tokio::time::sleep(Duration::from_secs(2)).await;
-            system.broker.restart().await;
+            system.broker().restart().await;
             figures.broker_restarts += 1;
             continue;
         }
@@ -538,7 +538,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     // 4. One live lease at a time: in each task's own order on fenceline.attempts, a
     //    grant is claimed only after the previous one ended, and a takeover of the
     //    same grant carries a larger fencing token; no two executions run at the end.
-    let brokers = system.broker.brokers();
+    let brokers = system.brokers.clone();
     let topic = topics::named(&system.prefix, topics::ATTEMPTS);
     let records = tokio::task::spawn_blocking(move || {
         fenceline_tests::read_until_quiet(&brokers, &topic, Duration::from_secs(5), Duration::from_secs(120))

@@ -16,14 +16,14 @@
 //! database while the async side keeps handling.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fenceline_config::{ConsumerConfig, KafkaConfig};
 use fenceline_domain::progress::{BatchPlan, StartAt, StoredProgress, plan_batch, start_at};
 use fenceline_events::{Bytes, DeadLetter, Envelope, Event, OriginalHeader, Timestamp, topics};
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers as _, Message, OwnedMessage};
 use rdkafka::types::RDKafkaRespErr;
@@ -217,7 +217,10 @@ impl ConsumerContext for FencedContext {
             other => {
                 warn!(group = %self.spec.group, error = ?other, "rebalance failed; giving up every partition");
                 self.forget_all();
-                let _ = consumer.unassign();
+                let _ = match (consumer.rebalance_protocol(), consumer.assignment()) {
+                    (RebalanceProtocol::Cooperative, Ok(current)) => consumer.incremental_unassign(&current),
+                    _ => consumer.unassign(),
+                };
             }
         }
         self.assignment_changes.fetch_add(1, Ordering::Relaxed);
@@ -258,7 +261,11 @@ impl FencedContext {
             }
             self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
         }
-        if let Err(e) = consumer.assign(tpl) {
+        let assigned = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
+            _ => consumer.assign(tpl),
+        };
+        if let Err(e) = assigned {
             error!(group = %self.spec.group, error = %e, "assign failed");
         }
     }
@@ -279,7 +286,10 @@ impl FencedContext {
             warn!(group = %self.spec.group, "batch still in flight at revocation; its epoch check decides");
         }
         info!(group = %self.spec.group, partitions = tpl.count(), "partitions given up");
-        let _ = consumer.unassign();
+        let _ = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
+            _ => consumer.unassign(),
+        };
     }
 
     fn forget_all(&self) {
@@ -361,29 +371,14 @@ impl FencedConsumer {
         // Room for a few batches: enough to keep the processor busy, small enough
         // that a revoked partition's queued records are few.
         let (tx, rx) = mpsc::channel::<Fetched>(config.batch_max.saturating_mul(2).max(16));
-        let rejoin = Arc::new(AtomicBool::new(false));
-        if let Some(after) = config.stall_after() {
-            let owned = owned.clone();
-            tokio::spawn(crate::stall::watch(
-                consumer.clone(),
-                pool.clone(),
-                spec.group.clone(),
-                spec.topics.clone(),
-                Arc::new(move |partition: &(String, i32)| lock(&owned).contains_key(partition)),
-                after,
-                rejoin.clone(),
-                shutdown.clone(),
-            ));
-        }
         let poller = {
             let consumer = consumer.clone();
             let shutdown = shutdown.clone();
             let group = spec.group.clone();
             let owned = owned.clone();
-            let topics = spec.topics.clone();
             std::thread::Builder::new()
                 .name(format!("poll-{group}"))
-                .spawn(move || poll_loop(&consumer, &owned, &tx, &rejoin, &topics, &shutdown, &group))
+                .spawn(move || poll_loop(&consumer, &owned, &tx, &shutdown, &group))
                 .map_err(|e| Error::Kafka(KafkaError::Subscription(e.to_string())))?
         };
         let processor = Processor {
@@ -414,13 +409,10 @@ impl FencedConsumer {
 /// across its revocation and reassignment (only its own pause is reset), so a
 /// partition paused, revoked and assigned back would otherwise never be fetched
 /// again.
-#[allow(clippy::too_many_arguments)] // the poller's parts, each needed once
 fn poll_loop(
     consumer: &BaseConsumer<FencedContext>,
     owned: &Ownership,
     tx: &mpsc::Sender<Fetched>,
-    rejoin: &AtomicBool,
-    topics: &[String],
     shutdown: &CancellationToken,
     group: &str,
 ) {
@@ -428,15 +420,6 @@ fn poll_loop(
     // The pause state last applied, and to which assignment (by its change count).
     let mut applied: Option<(bool, u64)> = None;
     while !shutdown.is_cancelled() {
-        if rejoin.swap(false, Ordering::SeqCst) {
-            // Leaving and joining again starts a rebalance of the whole group.
-            consumer.unsubscribe();
-            let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
-            if let Err(e) = consumer.subscribe(&topic_refs) {
-                error!(group, error = %e, "subscribing again failed");
-            }
-            applied = None;
-        }
         while let Some(message) = pending.pop_front() {
             match tx.try_send(message) {
                 Ok(()) => {}
@@ -643,7 +626,13 @@ impl<H: Handler> Processor<H> {
                         current_epoch = current,
                         "write rejected: partition fenced, another instance took it over; dropping its records"
                     );
-                    lock(&self.owned).remove(&(topic.clone(), partition));
+                    // Forget only the holding this batch was fenced under: the
+                    // partition may have come back to this instance meanwhile,
+                    // under a newer epoch that is not to be dropped.
+                    let mut owned = lock(&self.owned);
+                    if owned.get(&(topic.clone(), partition)) == Some(&mine) {
+                        owned.remove(&(topic.clone(), partition));
+                    }
                 }
                 BatchPlan::Apply { apply, redelivered, next_offset } => {
                     self.stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);

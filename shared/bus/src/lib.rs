@@ -6,7 +6,6 @@ pub mod consumer;
 pub mod faults;
 pub mod kafka;
 pub mod outbox;
-pub mod stall;
 
 pub use consumer::{
     ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,

@@ -30,6 +30,8 @@ pub enum Error {
     },
     #[error(transparent)]
     Config(#[from] fenceline_config::Error),
+    #[error(transparent)]
+    Kafka(#[from] fenceline_bus::kafka::ConnectError),
 }
 
 /// Whether the service may be sent traffic. `/readyz` also checks the database.
@@ -107,9 +109,11 @@ pub struct BaseConfig<'a> {
 }
 
 impl Base {
-    /// Connects and migrates the service's schema (bus tables, then `migrator`) and
-    /// starts the outbox relay.
+    /// Makes sure the brokers answer (refused credentials stop the service here,
+    /// with one message), connects and migrates the service's schema (bus tables,
+    /// then `migrator`) and starts the outbox relay.
     pub async fn start(name: &'static str, config: BaseConfig<'_>, migrator: &Migrator) -> Result<Self, Error> {
+        fenceline_bus::kafka::check_connection(config.kafka, config.kafka.connect_timeout()).await?;
         let database = fenceline_store::connect(config.postgres, name, &[&fenceline_bus::MIGRATOR, migrator]).await?;
         let outbox = OutboxWriter::new(name, config.kafka.topic_prefix.clone(), config.outbox.shards);
         let shutdown = CancellationToken::new();

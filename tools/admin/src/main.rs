@@ -25,12 +25,20 @@ enum Command {
         #[arg(long, env = "FENCELINE_REPLICATION", default_value_t = 1)]
         replication: i32,
     },
+    /// Waits until the brokers answer a metadata request; exits non-zero when they
+    /// refuse the credentials or do not answer in time.
+    WaitReady {
+        /// How long to wait, in seconds.
+        #[arg(long, default_value_t = 60)]
+        timeout_s: u64,
+    },
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let _telemetry = fenceline_telemetry::init("admin");
     let cli = Cli::parse();
+    cli.kafka.security.validate()?;
     match cli.command {
         Command::EnsureTopics { partitions, replication } => {
             let topics = fenceline_bus::admin::fenceline_topics(&cli.kafka.topic_prefix, partitions);
@@ -38,6 +46,9 @@ async fn main() -> anyhow::Result<()> {
             for topic in &topics {
                 tracing::info!(topic = %topic.name, partitions = topic.partitions, compacted = topic.compacted, "topic ready");
             }
+        }
+        Command::WaitReady { timeout_s } => {
+            fenceline_bus::kafka::check_connection(&cli.kafka, std::time::Duration::from_secs(timeout_s)).await?;
         }
     }
     Ok(())

@@ -203,7 +203,6 @@ async fn main() -> anyhow::Result<()> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &demo.config.brokers)
         .set("enable.idempotence", "true")
-        .set("broker.address.family", "v4")
         .create()?;
     let topic_tickets = demo.config.tickets / 2;
     let mut sent = 0;

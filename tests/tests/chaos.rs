@@ -495,8 +495,8 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
 
     // 3. Every outcome_unknown is genuinely in doubt: its provider received the call,
     //    or the executor died between committing the call intent and the request
-    //    leaving (the one window no record can tell from "sent, answer lost"; DESIGN.md
-    //    section 6 makes it unknown at a provider that can neither dedupe nor be
+    //    leaving (the one window no record can tell from "sent, answer lost"; docs/architecture.md,
+    //    "Recovery after a lost call" makes it unknown at a provider that can neither dedupe nor be
     //    asked). Every other task its provider never received was retried.
     let mut unknown_reasons: BTreeMap<String, usize> = BTreeMap::new();
     let mut unknown_at_intent = 0;

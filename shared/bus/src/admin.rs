@@ -38,7 +38,7 @@ pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[TopicSpec], replicatio
     Ok(())
 }
 
-/// Every Fenceline topic of DESIGN.md section 2, behind `prefix`.
+/// Every Fenceline topic (docs/architecture.md, "Topics and events"), behind `prefix`.
 pub fn fenceline_topics(prefix: &str, partitions: i32) -> Vec<TopicSpec> {
     fenceline_events::topics::ALL
         .iter()

@@ -1,4 +1,4 @@
-//! The fenced consumer (DESIGN.md section 4). One implementation for every service:
+//! The fenced consumer (docs/architecture.md, "The fenced consumer"). One implementation for every service:
 //! a service plugs in a [`Handler`] and never writes a poll loop of its own.
 //!
 //! - On assignment an instance bumps the partition's epoch in the database and

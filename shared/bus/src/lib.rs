@@ -1,5 +1,5 @@
-//! The two mechanisms every service stands on: the fenced consumer (DESIGN.md
-//! section 4) and the transactional outbox with its relay (section 5).
+//! The two mechanisms every service stands on: the fenced consumer (docs/architecture.md,
+//! "The fenced consumer") and the transactional outbox with its relay ("The outbox").
 
 pub mod admin;
 pub mod consumer;

@@ -1,4 +1,4 @@
-//! The transactional outbox (DESIGN.md section 5). A state change and the events it
+//! The transactional outbox (docs/architecture.md, "The outbox"). A state change and the events it
 //! causes commit together; the relay publishes them with an idempotent producer in
 //! outbox order per key, marks them after the broker confirmed, and re-sends what
 //! was not confirmed when it (or another instance) picks the shard up again.

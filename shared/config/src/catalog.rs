@@ -1,7 +1,7 @@
 //! The provider and task-kind catalogue: one JSON file (`FENCELINE_CATALOG`) that
 //! the scheduler (slots, rates, lease budgets), the executor (steps, calls) and the
 //! reconciler (look-ups, capabilities) read alike. Providers are configured, not
-//! coded (DESIGN.md section 8).
+//! coded (docs/architecture.md, "Providers and the catalogue").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;

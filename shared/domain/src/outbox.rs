@@ -1,5 +1,5 @@
 //! Outbox decisions: which shard a key belongs to, and how far a relay may mark
-//! rows published after a round of deliveries (DESIGN.md section 5).
+//! rows published after a round of deliveries (docs/architecture.md, "The outbox").
 
 use sha2::{Digest, Sha256};
 

@@ -1,5 +1,5 @@
 //! What a fenced consumer does with a batch of records of one partition, given the
-//! progress the database holds for that partition (DESIGN.md section 4).
+//! progress the database holds for that partition (docs/architecture.md, "The fenced consumer").
 
 /// The database's view of one partition, read under a row lock in the batch's
 /// transaction.

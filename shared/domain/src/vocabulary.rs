@@ -1,5 +1,5 @@
-//! The closed sets of words Fenceline's events and API use (DESIGN.md sections 6
-//! and 7), each a typed enum that travels as its snake_case name.
+//! The closed sets of words Fenceline's events and API use (docs/architecture.md,
+//! "Running a provider call" and "Task states"), each a typed enum that travels as its snake_case name.
 
 use std::fmt;
 use std::str::FromStr;
@@ -65,7 +65,7 @@ word_set!(
 );
 
 word_set!(
-    /// What a user sees of a task (DESIGN.md section 7).
+    /// What a user sees of a task (docs/architecture.md, "Task states").
     TaskState, "task state" {
         Queued => "queued",
         Waiting => "waiting",
@@ -92,7 +92,7 @@ word_set!(
 );
 
 word_set!(
-    /// The error classes of DESIGN.md section 6.
+    /// The error classes of docs/architecture.md, "Error classes".
     ErrorClass, "error class" {
         NotSent => "not_sent",
         Throttled => "throttled",

@@ -1,4 +1,4 @@
-//! The record headers every Fenceline producer sets (DESIGN.md section 3).
+//! The record headers every Fenceline producer sets (docs/architecture.md, "Topics and events").
 
 use fenceline_domain::ids::EventId;
 

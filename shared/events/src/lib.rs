@@ -1,4 +1,4 @@
-//! Fenceline's events on the wire (DESIGN.md section 3): one Avro schema per event
+//! Fenceline's events on the wire (docs/architecture.md, "Topics and events"): one Avro schema per event
 //! type in `schemas/`, Avro single-object encoding for record values, and the
 //! record headers every producer sets.
 

@@ -1,4 +1,4 @@
-//! Topic names (DESIGN.md section 2). Do not change: they are the contract between
+//! Topic names (docs/architecture.md, "Topics and events"). Do not change: they are the contract between
 //! services, upstream producers and dashboards.
 
 pub const INTAKE_REQUESTS: &str = "fenceline.intake.requests";

@@ -251,6 +251,132 @@ async fn an_undecodable_record_is_dead_lettered_and_the_partition_moves_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_change_the_database_always_refuses_is_dead_lettered_and_the_consumer_moves_on() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
+    let upstream = Upstream::start(&url, &prefix).await;
+    let consumer_db = schema(&url, "probe").await;
+    // The projection refuses versions this large: the same record fails the same way
+    // on every try (a check violation, as a constraint or bad data would).
+    sqlx::query("ALTER TABLE probe_applied ADD CONSTRAINT sane_version CHECK (version < 1000000)")
+        .execute(&consumer_db.pool)
+        .await
+        .expect("constraint");
+    let shutdown = CancellationToken::new();
+    let consumer = spawn_consumer(&consumer_db, &prefix, &group, "instance", &shutdown);
+
+    let (task, other) = (TaskId::new_v7(), TaskId::new_v7());
+    let mut stream: Vec<Event> = (1..=3).map(|v| status_event(task, v)).collect();
+    stream.push(status_event(task, 5_000_000));
+    stream.extend((4..=6).map(|v| status_event(task, v)));
+    stream.extend((1..=3).map(|v| status_event(other, v)));
+    upstream.publish(&stream).await;
+
+    assert_eq!(wait_applied(&consumer_db.pool, 9, Duration::from_secs(60)).await, (9, 0), "the consumer moved on");
+    let letters = read_topic(&brokers(), &topics::named(&prefix, topics::DEADLETTER), 1, Duration::from_secs(30));
+    assert_eq!(letters.len(), 1, "the refused record is a dead letter");
+    let Event::DeadLetter(letter) = fenceline_events::decode(letters[0].payload().expect("value")).expect("decodes")
+    else {
+        panic!("not a dead letter");
+    };
+    assert!(letter.reason.contains("sane_version"), "the reason names what refused it: {}", letter.reason);
+    let Event::TaskStatus(refused) =
+        fenceline_events::decode(&letter.original_value.expect("kept").0).expect("decodes")
+    else {
+        panic!("the original is the status event");
+    };
+    assert_eq!(refused.version, 5_000_000);
+    shutdown.cancel();
+    consumer.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_row_the_broker_can_never_take_leaves_as_a_dead_letter_and_its_shard_moves_on() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let upstream = Upstream::start(&url, &prefix).await;
+    let task = TaskId::new_v7();
+    let Event::TaskStatus(mut huge) = status_event(task, 1) else { unreachable!() };
+    huge.reason = Some("x".repeat(1_500_000)); // over the producer's 1 MB record limit
+    let mut stream = vec![Event::TaskStatus(huge)];
+    stream.extend((2..=4).map(|v| status_event(task, v)));
+    upstream.publish(&stream).await;
+
+    let status_topic = topics::named(&prefix, topics::STATUS);
+    let (at, topic) = (brokers(), status_topic.clone());
+    let on_topic =
+        tokio::task::spawn_blocking(move || read_topic(&at, &topic, 3, Duration::from_secs(30))).await.expect("reader");
+    assert_eq!(versions_by_task(&on_topic).get(&task), Some(&vec![2, 3, 4]), "the rows behind it were published");
+    let letters = read_topic(&brokers(), &topics::named(&prefix, topics::DEADLETTER), 1, Duration::from_secs(30));
+    assert_eq!(letters.len(), 1, "the refused row is announced");
+    let Event::DeadLetter(letter) = fenceline_events::decode(letters[0].payload().expect("value")).expect("decodes")
+    else {
+        panic!("not a dead letter");
+    };
+    assert_eq!(letter.topic, status_topic);
+    assert!(letter.reason.contains("refused"), "{}", letter.reason);
+    assert!(letter.original_value.expect("a prefix of the value").0.len() <= 65_536, "bounded");
+    let (refused, reason): (i64, Option<String>) = sqlx::query_as(
+        "SELECT count(*), max(refused_reason) FROM outbox WHERE refused_at IS NOT NULL AND published_at IS NULL",
+    )
+    .fetch_one(&upstream.db.pool)
+    .await
+    .expect("refused rows");
+    assert_eq!(refused, 1, "the row is kept, out of the relay's way, with its reason: {reason:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_progress_beyond_the_end_of_a_recreated_topic_stops_the_partition_instead_of_skipping() {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
+    let consumer_db = schema(&url, "probe").await;
+    let task = TaskId::new_v7(); // one key, one partition
+    {
+        let upstream = Upstream::start(&url, &prefix).await;
+        let shutdown = CancellationToken::new();
+        let consumer = spawn_consumer(&consumer_db, &prefix, &group, "first", &shutdown);
+        upstream.publish(&(1..=20).map(|v| status_event(task, v)).collect::<Vec<_>>()).await;
+        assert_eq!(wait_applied(&consumer_db.pool, 20, Duration::from_secs(60)).await, (20, 0));
+        shutdown.cancel();
+        consumer.join().await;
+    }
+    // The topic is deleted and made again: its log starts over at offset 0.
+    let status_topic = topics::named(&prefix, topics::STATUS);
+    let admin: AdminClient<_> = ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("admin");
+    admin.delete_topics(&[&status_topic], &AdminOptions::new()).await.expect("delete");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let specs: Vec<_> = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
+            .into_iter()
+            .filter(|t| t.name == status_topic)
+            .collect();
+        let made = fenceline_bus::admin::ensure_topics(&kafka(&prefix), &specs, 1).await;
+        let metadata = admin.inner().fetch_metadata(Some(&status_topic), Duration::from_secs(5)).expect("metadata");
+        let ready = metadata.topics().first().is_some_and(|t| t.error().is_none() && !t.partitions().is_empty());
+        if made.is_ok() && ready {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the topic could not be made again");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let upstream = Upstream::start(&url, &prefix).await;
+    upstream.publish(&(21..=25).map(|v| status_event(task, v)).collect::<Vec<_>>()).await;
+    let shutdown = CancellationToken::new();
+    let consumer = spawn_consumer(&consumer_db, &prefix, &group, "second", &shutdown);
+    let stats = consumer.stats();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while stats.halted_partitions.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the partition beyond its log's end was not stopped");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(stats.redelivered.load(std::sync::atomic::Ordering::Relaxed), 0, "nothing skipped as redelivered");
+    assert_eq!(probe_counts(&consumer_db.pool).await, (20, 0), "the new records wait for an operator");
+    shutdown.cancel();
+    consumer.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_after_the_broker_acknowledged_resends_and_the_consumer_applies_once() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
     let group = fresh_group();

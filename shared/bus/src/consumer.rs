@@ -63,6 +63,38 @@ pub enum HandleError {
     Bus(#[from] Error),
 }
 
+impl HandleError {
+    /// An error of the record itself, which the same record will meet on every try:
+    /// the database refused its data (SQLSTATE class 22) or a constraint (class 23).
+    fn refusal_of_the_record(&self) -> Option<String> {
+        let HandleError::Transient(sqlx::Error::Database(db)) = self else { return None };
+        let code = db.code()?;
+        (code.starts_with("22") || code.starts_with("23"))
+            .then(|| format!("the database refused the change this record asks for (SQLSTATE {code}): {db}"))
+    }
+
+    /// Whether a retry may succeed without anything about the record changing: the
+    /// connection, a pool timeout, a serialisation failure or deadlock, a server
+    /// short of resources or being shut down. Anything else that fails again and
+    /// again is blamed on the record (after [`POISON_AFTER`] tries).
+    fn passing(&self) -> bool {
+        match self {
+            HandleError::Transient(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|c| ["08", "40", "53", "55", "57", "58"].iter().any(|class| c.starts_with(class)))
+            }
+            HandleError::Transient(_) => true,
+            HandleError::Bus(Error::Database(sqlx::Error::Database(_))) => false,
+            HandleError::Bus(Error::Database(_)) | HandleError::Bus(Error::Kafka(_)) => true,
+            HandleError::Bus(Error::Injected(_)) => true,
+            HandleError::Bus(_) | HandleError::Poison(_) => false,
+        }
+    }
+}
+
+/// How often a batch may fail for a reason that is not passing before its records
+/// are applied one at a time, and a single record before it is dead-lettered.
+const POISON_AFTER: u32 = 5;
+
 impl From<crate::faults::Injected> for HandleError {
     fn from(injected: crate::faults::Injected) -> Self {
         Self::Bus(Error::Injected(injected))
@@ -111,14 +143,15 @@ pub async fn dead_letter(
     outbox: &OutboxWriter,
     rejected: &Rejected<'_>,
 ) -> Result<(), HandleError> {
+    let (value, cut) = rejected.value.map(crate::outbox::bounded_original).unzip();
     let letter = Event::DeadLetter(DeadLetter {
         topic: rejected.topic.to_owned(),
         partition: rejected.partition,
         offset: rejected.offset,
         consumer: rejected.consumer_group.to_owned(),
-        reason: rejected.reason.to_owned(),
-        original_key: rejected.key.map(|k| Bytes(k.to_vec())),
-        original_value: rejected.value.map(|v| Bytes(v.to_vec())),
+        reason: format!("{}{}", rejected.reason, cut.flatten().unwrap_or_default()),
+        original_key: rejected.key.map(|k| Bytes(crate::outbox::bounded_original(k).0)),
+        original_value: value.map(Bytes),
         original_headers: rejected
             .headers
             .iter()
@@ -155,6 +188,8 @@ pub struct ConsumerStats {
     pub fenced_batches: AtomicU64,
     pub batches: AtomicU64,
     pub assigned_partitions: AtomicUsize,
+    /// Partitions stopped because their stored progress lies beyond the log's end.
+    pub halted_partitions: AtomicUsize,
 }
 
 /// The running consumer.
@@ -205,6 +240,9 @@ struct FencedContext {
     /// Grows with every rebalance callback; the poll loop re-applies its pause state
     /// when it changed, without asking for the assignment on every poll.
     assignment_changes: AtomicU64,
+    /// Partitions assigned here whose stored progress lies beyond the end of the
+    /// log: kept paused and not handled until an operator looks (docs/bus.md).
+    halted: Mutex<HashSet<(String, i32)>>,
 }
 
 impl ClientContext for FencedContext {}
@@ -248,7 +286,26 @@ impl FencedContext {
         };
         {
             let mut owned = lock(&self.owned);
+            let mut halted = lock(&self.halted);
             for ((topic, partition), epoch, start) in &acquired {
+                if let StartAt::Offset(next) = start
+                    && let Some(end) = self.log_end(consumer, topic, *partition)
+                    && *next > end
+                {
+                    error!(
+                        group = %self.spec.group,
+                        topic,
+                        partition,
+                        stored_next_offset = next,
+                        log_end = end,
+                        "stored progress lies beyond the end of the log (the topic was re-created, or records \
+                         were lost); this partition is stopped here rather than skipped: an operator must set \
+                         consumer_partitions.next_offset (docs/bus.md)"
+                    );
+                    halted.insert((topic.clone(), *partition));
+                    continue;
+                }
+                halted.remove(&(topic.clone(), *partition));
                 owned.insert((topic.clone(), *partition), *epoch);
                 let offset = match start {
                     StartAt::Beginning => Offset::Beginning,
@@ -260,6 +317,7 @@ impl FencedContext {
                 info!(group = %self.spec.group, topic, partition, epoch, start = ?start, "partition taken over");
             }
             self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
+            self.stats.halted_partitions.store(halted.len(), Ordering::Relaxed);
         }
         let assigned = match consumer.rebalance_protocol() {
             RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
@@ -270,12 +328,27 @@ impl FencedContext {
         }
     }
 
+    /// The partition's high watermark; None when the broker does not say in time
+    /// (the check is then skipped, as before it existed).
+    fn log_end(&self, consumer: &BaseConsumer<Self>, topic: &str, partition: i32) -> Option<i64> {
+        match consumer.fetch_watermarks(topic, partition, Duration::from_secs(5)) {
+            Ok((_, high)) => Some(high),
+            Err(e) => {
+                warn!(group = %self.spec.group, topic, partition, error = %e, "cannot read the log end to check the stored progress");
+                None
+            }
+        }
+    }
+
     fn on_revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
         {
             let mut owned = lock(&self.owned);
+            let mut halted = lock(&self.halted);
             for element in tpl.elements() {
                 owned.remove(&(element.topic().to_owned(), element.partition()));
+                halted.remove(&(element.topic().to_owned(), element.partition()));
             }
+            self.stats.halted_partitions.store(halted.len(), Ordering::Relaxed);
             self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
         }
         // Let the batch in flight finish (it may include revoked partitions; it is
@@ -294,6 +367,7 @@ impl FencedContext {
 
     fn forget_all(&self) {
         lock(&self.owned).clear();
+        lock(&self.halted).clear();
         self.stats.assigned_partitions.store(0, Ordering::Relaxed);
     }
 }
@@ -362,6 +436,7 @@ impl FencedConsumer {
             grace: spec.drain_grace,
             shutdown: shutdown.clone(),
             assignment_changes: AtomicU64::new(0),
+            halted: Mutex::default(),
         };
         let consumer: Arc<BaseConsumer<FencedContext>> =
             Arc::new(crate::kafka::consumer_config(kafka, &spec.instance, &spec.group).create_with_context(context)?);
@@ -434,7 +509,18 @@ fn poll_loop(
         if applied != Some(wanted)
             && let Ok(assignment) = consumer.assignment()
         {
-            let result = if wanted.0 { consumer.pause(&assignment) } else { consumer.resume(&assignment) };
+            let result = if wanted.0 {
+                consumer.pause(&assignment)
+            } else {
+                consumer.resume(&assignment).and_then(|()| {
+                    // Halted partitions stay paused whatever the queue does.
+                    let mut halted = TopicPartitionList::new();
+                    for (topic, partition) in lock(&consumer.context().halted).iter() {
+                        halted.add_partition(topic, *partition);
+                    }
+                    if halted.count() > 0 { consumer.pause(&halted) } else { Ok(()) }
+                })
+            };
             match result {
                 Ok(()) => applied = Some(wanted),
                 Err(e) => debug!(group, error = %e, "pause/resume failed"),
@@ -480,6 +566,13 @@ struct Processor<H> {
     batch_max: usize,
     batch_wait: Duration,
     dedup_retention_hours: u32,
+}
+
+/// A record that failed alone too often, to be dead-lettered on the next try.
+#[derive(Debug)]
+struct Condemned {
+    at: (String, i32, i64),
+    reason: String,
 }
 
 /// How often remembered event ids past their retention are deleted.
@@ -545,26 +638,33 @@ impl<H: Handler> Processor<H> {
         }
     }
 
-    /// Retries a batch that failed for a transient reason until it is applied,
-    /// fenced, or the service shuts down (then the records are redelivered later).
+    /// Retries a batch that failed until it is applied, fenced, or the service
+    /// shuts down (then the records are redelivered later). A batch that keeps
+    /// failing for a reason that is not passing is applied one record at a time, and
+    /// a record that keeps failing alone is dead-lettered with the last error, so one
+    /// record never stops the consumer.
     async fn handle_until_done(&self, batch: Vec<Fetched>, shutdown: &CancellationToken) {
+        let mut queue: VecDeque<Fetched> = batch.into();
         let mut backoff = Duration::from_millis(50);
+        let (mut one_at_a_time, mut failures) = (false, 0u32);
+        let mut condemned: Option<Condemned> = None;
         loop {
             let owned = lock(&self.owned).clone();
             // Only records fetched under the holding that is current now.
-            let mine: Vec<&OwnedMessage> = batch
-                .iter()
-                .filter(|f| owned.get(&(f.message.topic().to_owned(), f.message.partition())) == Some(&f.epoch))
-                .map(|f| &f.message)
-                .collect();
-            let stale = batch.len() - mine.len();
-            if stale > 0 {
-                debug!(stale, "records fetched under an earlier holding dropped; they are read again");
+            let before = queue.len();
+            queue.retain(|f| owned.get(&(f.message.topic().to_owned(), f.message.partition())) == Some(&f.epoch));
+            if queue.len() < before {
+                debug!(
+                    stale = before - queue.len(),
+                    "records fetched under an earlier holding dropped; they are read again"
+                );
             }
-            if mine.is_empty() {
+            if queue.is_empty() {
                 return;
             }
-            match self.apply_batch(&mine, &owned).await {
+            let take = if one_at_a_time { 1 } else { queue.len() };
+            let mine: Vec<&OwnedMessage> = queue.iter().take(take).map(|f| &f.message).collect();
+            match self.apply_batch(&mine, &owned, condemned.as_ref()).await {
                 Ok(applied) => {
                     self.outbox.committed();
                     for (topic, partition, last) in applied.progress {
@@ -573,12 +673,29 @@ impl<H: Handler> Processor<H> {
                         }
                     }
                     self.stats.batches.fetch_add(1, Ordering::Relaxed);
-                    return;
+                    queue.drain(..take);
+                    (failures, condemned, backoff) = (0, None, Duration::from_millis(50));
                 }
                 Err(e) => {
                     warn!(error = %e, records = mine.len(), "batch failed; it will be tried again");
                     if shutdown.is_cancelled() {
                         return;
+                    }
+                    if !e.passing() {
+                        failures += 1;
+                    }
+                    if failures >= POISON_AFTER {
+                        failures = 0;
+                        if one_at_a_time {
+                            let m = mine[0];
+                            condemned = Some(Condemned {
+                                at: (m.topic().to_owned(), m.partition(), m.offset()),
+                                reason: format!("failed {POISON_AFTER} times on its own: {e}"),
+                            });
+                        } else {
+                            one_at_a_time = true;
+                            info!(records = mine.len(), "a batch keeps failing; applying its records one at a time");
+                        }
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -591,6 +708,7 @@ impl<H: Handler> Processor<H> {
         &self,
         batch: &[&OwnedMessage],
         owned: &HashMap<(String, i32), i64>,
+        condemned: Option<&Condemned>,
     ) -> Result<Applied, HandleError> {
         // Per partition, in delivery order.
         let mut by_partition: BTreeMap<(String, i32), Vec<&OwnedMessage>> = BTreeMap::new();
@@ -640,7 +758,7 @@ impl<H: Handler> Processor<H> {
                         info!(topic, partition, redelivered, "records redelivered after a restart skipped by offset");
                     }
                     let to_apply: Vec<&OwnedMessage> = apply.iter().map(|&i| messages[i]).collect();
-                    self.apply_records(&mut tx, &topic, partition, &to_apply).await?;
+                    self.apply_records(&mut tx, &topic, partition, &to_apply, condemned).await?;
                     if !to_apply.is_empty() {
                         sqlx::query(
                             "UPDATE consumer_partitions SET next_offset = $5, updated_at = now() \
@@ -671,6 +789,7 @@ impl<H: Handler> Processor<H> {
         topic: &str,
         partition: i32,
         messages: &[&OwnedMessage],
+        condemned: Option<&Condemned>,
     ) -> Result<(), HandleError> {
         let mut decoded = Vec::with_capacity(messages.len());
         for message in messages {
@@ -722,6 +841,10 @@ impl<H: Handler> Processor<H> {
                 span.record("task_id", tracing::field::display(task_id));
             }
             fenceline_telemetry::continue_trace(&span, inbound.envelope.headers.traceparent.as_deref());
+            if let Some(condemned) = condemned.filter(|c| c.at == (topic.to_owned(), partition, inbound.offset)) {
+                self.dead_letter(tx, message, &condemned.reason).await?;
+                continue;
+            }
             // A savepoint, so that a handler refusing the event leaves nothing behind.
             let mut savepoint = Connection::begin(&mut **tx).await?;
             match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span).await {
@@ -733,7 +856,13 @@ impl<H: Handler> Processor<H> {
                     savepoint.rollback().await?;
                     self.dead_letter(tx, message, &reason).await?;
                 }
-                Err(other) => return Err(other),
+                Err(other) => match other.refusal_of_the_record() {
+                    Some(reason) => {
+                        savepoint.rollback().await?;
+                        self.dead_letter(tx, message, &reason).await?;
+                    }
+                    None => return Err(other),
+                },
             }
         }
         Ok(())

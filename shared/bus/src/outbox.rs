@@ -11,24 +11,27 @@ use std::time::Duration;
 use fenceline_config::{KafkaConfig, OutboxConfig};
 use fenceline_domain::ids::EventId;
 use fenceline_domain::outbox::{publishable_prefix, shard_for_key};
-use fenceline_events::{Event, Headers, Timestamp, encode};
-use futures_util::future::join_all;
+use fenceline_events::{Bytes, DeadLetter, Event, Headers, OriginalHeader, Timestamp, encode, topics};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::{Error, fault};
 
-/// Namespace of the relay's session advisory locks (first key of the two-key form).
-/// Do not change: relays of different versions must contend for the same locks.
-const SHARD_LOCK_NAMESPACE: i32 = 0x0F1D_0001;
-/// Namespace of the per-key transaction locks writers take, so that rows of one
-/// key get ids in the order their transactions commit.
-const KEY_LOCK_NAMESPACE: i32 = 0x0F1D_0002;
+/// The relay's session advisory lock on a shard, scoped to the service's schema:
+/// services share a database, and one service's relays must not skip another's
+/// shards. Do not change: relays of different versions must contend for the same
+/// locks.
+const SHARD_LOCK: &str = "hashtextextended(current_schema() || ':outbox-shard:' || $1::text, 0)";
+/// The per-key transaction lock writers take, so that rows of one key get ids in
+/// the order their transactions commit; scoped to the schema like the shard locks,
+/// so that a batch of one service never waits on another's writers.
+const KEY_LOCK: &str = "hashtextextended(current_schema() || ':outbox-key:' || encode($1, 'escape'), 0)";
 
 /// Writes events into the outbox inside the caller's transaction.
 #[derive(Debug, Clone)]
@@ -77,11 +80,7 @@ impl OutboxWriter {
         };
         let shard = shard_for_key(key.unwrap_or_default(), self.shards);
         if let Some(key) = key {
-            sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext(encode($2, 'escape')))")
-                .bind(KEY_LOCK_NAMESPACE)
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
+            sqlx::query(&format!("SELECT pg_advisory_xact_lock({KEY_LOCK})")).bind(key).execute(&mut *conn).await?;
         }
         sqlx::query(
             "INSERT INTO outbox (shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, \
@@ -113,6 +112,8 @@ impl OutboxWriter {
 pub struct RelayStats {
     pub published: AtomicU64,
     pub failed_deliveries: AtomicU64,
+    /// Rows the broker can never take, kept as refused and announced as dead letters.
+    pub refused: AtomicU64,
     pub rounds: AtomicU64,
 }
 
@@ -122,7 +123,8 @@ pub struct Relay {
     lock_options: PgConnectOptions,
     producer: FutureProducer,
     config: OutboxConfig,
-    written: Arc<Notify>,
+    /// The schema's writer: dead letters of refused rows go through the outbox too.
+    writer: OutboxWriter,
     stats: Arc<RelayStats>,
     name: String,
 }
@@ -148,17 +150,62 @@ struct Row {
     traceparent: Option<String>,
 }
 
+/// What became of one row handed to the producer.
+#[derive(Debug)]
+enum Sent {
+    Delivered,
+    /// The broker can never take it; retrying cannot help.
+    Refused(String),
+    /// Not confirmed (timed out, broker away): sent again later.
+    Failed,
+}
+
+/// Producer errors that no retry can cure: the record itself is wrong for the broker.
+fn refused_for_good(code: Option<RDKafkaErrorCode>) -> bool {
+    matches!(
+        code,
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidMessage
+                | RDKafkaErrorCode::MessageBatchTooLarge
+                | RDKafkaErrorCode::InvalidRecord
+        )
+    )
+}
+
+/// Most bytes of an original record a dead letter carries; the rest is named by its
+/// size and sha256 in the reason, so a dead letter always fits where its original did not.
+pub const DEAD_LETTER_ORIGINAL_MAX: usize = 64 * 1024;
+
+/// `original` cut to [`DEAD_LETTER_ORIGINAL_MAX`], and what the reason must add when it was cut.
+pub fn bounded_original(original: &[u8]) -> (Vec<u8>, Option<String>) {
+    if original.len() <= DEAD_LETTER_ORIGINAL_MAX {
+        return (original.to_vec(), None);
+    }
+    use sha2::Digest as _;
+    let digest = hex::encode(sha2::Sha256::digest(original));
+    let note = format!(
+        "; original value cut to its first {DEAD_LETTER_ORIGINAL_MAX} of {} bytes, sha256 {digest}",
+        original.len()
+    );
+    (original[..DEAD_LETTER_ORIGINAL_MAX].to_vec(), Some(note))
+}
+
 impl Row {
-    fn headers(&self) -> OwnedHeaders {
-        let headers = Headers {
+    fn header_values(&self) -> Headers {
+        Headers {
             event_id: EventId::from_uuid(self.event_id),
             event_type: self.event_type.clone(),
             schema_fingerprint: self.schema_fingerprint.clone(),
             producer: self.producer.clone(),
             produced_at: Timestamp(self.produced_at_us),
             traceparent: self.traceparent.clone(),
-        };
-        headers
+        }
+    }
+
+    fn headers(&self) -> OwnedHeaders {
+        self.header_values()
             .to_pairs()
             .into_iter()
             .fold(OwnedHeaders::new(), |acc, (key, value)| acc.insert(Header { key, value: Some(value.as_bytes()) }))
@@ -183,7 +230,7 @@ impl Relay {
             lock_options,
             producer,
             config,
-            written: writer.written.clone(),
+            writer: writer.clone(),
             stats: Arc::new(RelayStats::default()),
             name,
         })
@@ -221,7 +268,7 @@ impl Relay {
                     if published == 0 {
                         tokio::select! {
                             _ = shutdown.cancelled() => {}
-                            _ = self.written.notified() => {}
+                            _ = self.writer.written.notified() => {}
                             _ = tokio::time::sleep(Duration::from_millis(self.config.idle_poll_ms)) => {}
                         }
                     }
@@ -237,9 +284,12 @@ impl Relay {
             next_start = (next_start + 1) % usize::from(self.config.shards.max(1));
             if last_purge.elapsed() > Duration::from_secs(60) {
                 last_purge = tokio::time::Instant::now();
-                if let Err(e) = sqlx::query("DELETE FROM outbox WHERE published_at < now() - interval '1 hour'")
-                    .execute(&self.pool)
-                    .await
+                if let Err(e) = sqlx::query(
+                    "DELETE FROM outbox WHERE published_at < now() - interval '1 hour' \
+                     OR refused_at < now() - interval '7 days'",
+                )
+                .execute(&self.pool)
+                .await
                 {
                     warn!(relay = %self.name, error = %e, "purging published outbox rows failed");
                 }
@@ -261,8 +311,7 @@ impl Relay {
         let mut published = 0;
         for i in 0..shards {
             let shard = ((start + i) % shards) as i32;
-            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-                .bind(SHARD_LOCK_NAMESPACE)
+            let locked: bool = sqlx::query_scalar(&format!("SELECT pg_try_advisory_lock({SHARD_LOCK})"))
                 .bind(shard)
                 .fetch_one(&mut *lock_conn)
                 .await?;
@@ -270,8 +319,7 @@ impl Relay {
                 continue;
             }
             let result = self.drain_shard(shard).await;
-            sqlx::query("SELECT pg_advisory_unlock($1, $2)")
-                .bind(SHARD_LOCK_NAMESPACE)
+            sqlx::query(&format!("SELECT pg_advisory_unlock({SHARD_LOCK})"))
                 .bind(shard)
                 .execute(&mut *lock_conn)
                 .await?;
@@ -286,7 +334,8 @@ impl Relay {
         loop {
             let rows: Vec<Row> = sqlx::query_as(
                 "SELECT id, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, \
-                 produced_at_us, traceparent FROM outbox WHERE shard = $1 AND published_at IS NULL ORDER BY id LIMIT $2",
+                 produced_at_us, traceparent FROM outbox \
+                 WHERE shard = $1 AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $2",
             )
             .bind(shard as i16)
             .bind(i64::from(self.config.batch_max))
@@ -296,20 +345,45 @@ impl Relay {
                 return Ok(published);
             }
             let full = rows.len() == self.config.batch_max as usize;
-            let confirmed = self.publish(&rows).await;
+            let sent = self.publish(&rows).await;
             fault!("outbox.after_publish_before_mark");
-            let ids: Vec<i64> = rows[..confirmed].iter().map(|r| r.id).collect();
-            if !ids.is_empty() {
+            let settled: Vec<bool> = sent.iter().map(|s| !matches!(s, Sent::Failed)).collect();
+            let handled = publishable_prefix(&settled);
+            let ids: Vec<i64> = rows[..handled]
+                .iter()
+                .zip(&sent)
+                .filter(|(_, s)| matches!(s, Sent::Delivered))
+                .map(|(r, _)| r.id)
+                .collect();
+            let refused: Vec<(&Row, &str)> = rows[..handled]
+                .iter()
+                .zip(&sent)
+                .filter_map(|(r, s)| match s {
+                    Sent::Refused(reason) => Some((r, reason.as_str())),
+                    _ => None,
+                })
+                .collect();
+            if !ids.is_empty() || !refused.is_empty() {
+                let mut tx = self.pool.begin().await?;
                 sqlx::query("UPDATE outbox SET published_at = now() WHERE id = ANY($1)")
                     .bind(&ids)
-                    .execute(&self.pool)
+                    .execute(&mut *tx)
                     .await?;
+                for (row, reason) in &refused {
+                    self.refuse(&mut tx, row, reason).await?;
+                }
+                tx.commit().await?;
+                if !refused.is_empty() {
+                    self.writer.committed();
+                }
             }
+            let confirmed = ids.len();
             published += confirmed;
             self.stats.published.fetch_add(confirmed as u64, Ordering::Relaxed);
-            debug!(shard, confirmed, "outbox rows published");
-            if confirmed < rows.len() {
-                self.stats.failed_deliveries.fetch_add((rows.len() - confirmed) as u64, Ordering::Relaxed);
+            self.stats.refused.fetch_add(refused.len() as u64, Ordering::Relaxed);
+            debug!(shard, confirmed, refused = refused.len(), "outbox rows published");
+            if handled < rows.len() {
+                self.stats.failed_deliveries.fetch_add((rows.len() - handled) as u64, Ordering::Relaxed);
                 return Err(Error::Kafka(rdkafka::error::KafkaError::MessageProduction(
                     rdkafka::types::RDKafkaErrorCode::MessageTimedOut,
                 )));
@@ -320,48 +394,99 @@ impl Relay {
         }
     }
 
+    /// Keeps a row the broker can never take out of the relay's way, with its
+    /// reason, and announces it on the dead-letter topic (a dead letter's own
+    /// refusal is only kept: its original is bounded, so that cannot repeat).
+    async fn refuse(&self, tx: &mut PgConnection, row: &Row, reason: &str) -> Result<(), Error> {
+        error!(
+            relay = %self.name,
+            topic = %row.topic,
+            outbox_id = row.id,
+            event_type = %row.event_type,
+            bytes = row.payload.len(),
+            reason,
+            "the broker can never take this outbox row; kept as refused and sent on as a dead letter"
+        );
+        sqlx::query("UPDATE outbox SET refused_at = now(), refused_reason = $2 WHERE id = $1")
+            .bind(row.id)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await?;
+        if row.event_type == "DeadLetter" {
+            return Ok(());
+        }
+        let (original, cut) = bounded_original(&row.payload);
+        let letter = Event::DeadLetter(DeadLetter {
+            topic: row.topic.clone(),
+            partition: -1,
+            offset: row.id,
+            consumer: format!("{} (outbox relay)", self.name),
+            reason: format!("the broker refused outbox row {}: {reason}{}", row.id, cut.unwrap_or_default()),
+            original_key: row.record_key.clone().map(Bytes),
+            original_value: Some(Bytes(original)),
+            original_headers: row
+                .header_values()
+                .to_pairs()
+                .into_iter()
+                .map(|(name, value)| OriginalHeader { name: name.to_owned(), value: Some(Bytes(value.into_bytes())) })
+                .collect(),
+            dead_lettered_at: Timestamp::now(),
+        });
+        let key = format!("outbox/{}", row.id);
+        self.writer.append(tx, topics::DEADLETTER, Some(key.as_bytes()), &letter).await?;
+        Ok(())
+    }
+
     /// Hands every row to the producer, then waits for each delivery report.
-    /// Returns how many rows from the start were confirmed without a gap.
-    async fn publish(&self, rows: &[Row]) -> usize {
-        let mut deliveries = Vec::with_capacity(rows.len());
+    /// Returns what became of each row, in order; rows after the first that was
+    /// neither delivered nor refused were not handed over.
+    async fn publish(&self, rows: &[Row]) -> Vec<Sent> {
+        // Per row: a pending delivery, or what is already known of it.
+        let mut handed = Vec::with_capacity(rows.len());
         for row in rows {
             let mut record = FutureRecord::to(&row.topic).payload(&row.payload).headers(row.headers());
             if let Some(key) = &row.record_key {
                 record = record.key(key);
             }
             // Waits for room in the producer queue rather than failing the row.
-            let delivery = loop {
+            let outcome = loop {
                 match self.producer.send_result(record) {
-                    Ok(delivery) => break Some(delivery),
+                    Ok(delivery) => break Ok(delivery),
                     Err((e, back)) => {
-                        if matches!(e.rdkafka_error_code(), Some(rdkafka::types::RDKafkaErrorCode::QueueFull)) {
+                        if matches!(e.rdkafka_error_code(), Some(RDKafkaErrorCode::QueueFull)) {
                             record = back;
                             tokio::time::sleep(Duration::from_millis(10)).await;
+                        } else if refused_for_good(e.rdkafka_error_code()) {
+                            break Err(Sent::Refused(e.to_string()));
                         } else {
-                            warn!(topic = %row.topic, error = %e, "producer refused an outbox row");
-                            break None;
+                            warn!(topic = %row.topic, error = %e, "producer refused an outbox row; it is sent again later");
+                            break Err(Sent::Failed);
                         }
                     }
                 }
             };
-            match delivery {
-                Some(delivery) => deliveries.push(delivery),
-                None => break,
+            let stop = matches!(outcome, Err(Sent::Failed));
+            handed.push(outcome);
+            if stop {
+                break;
             }
         }
-        let results = join_all(deliveries).await;
-        let delivered: Vec<bool> = results
-            .iter()
-            .map(|r| match r {
-                Ok(Ok(_)) => true,
-                Ok(Err((e, _))) => {
-                    warn!(error = %e, "delivery of an outbox row failed");
-                    false
-                }
-                Err(_) => false,
-            })
-            .collect();
-        publishable_prefix(&delivered)
+        let mut sent = Vec::with_capacity(handed.len());
+        for outcome in handed {
+            sent.push(match outcome {
+                Err(known) => known,
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => Sent::Delivered,
+                    Ok(Err((e, _))) if refused_for_good(e.rdkafka_error_code()) => Sent::Refused(e.to_string()),
+                    Ok(Err((e, _))) => {
+                        warn!(error = %e, "delivery of an outbox row failed; it is sent again later");
+                        Sent::Failed
+                    }
+                    Err(_) => Sent::Failed,
+                },
+            });
+        }
+        sent
     }
 }
 

@@ -183,3 +183,23 @@ async fn a_409_while_the_same_key_still_runs_is_waited_for_and_charged_once() {
     assert_eq!(log.last().map(|(_, outcome)| outcome.as_str()), Some("replayed"));
     assert_eq!(system.provider("llm").charges().await, 1, "charged once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn artifacts_on_another_host_behind_a_redirect_or_failing_once_are_verified_without_a_second_call() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let img = system.provider("img");
+    img.rule(json!({"serve_artifact": "redirect", "times": 1})).await;
+    img.rule(json!({"serve_artifact": "other_host", "times": 1})).await;
+    img.rule(json!({"on": "artifact", "status": 503, "times": 1})).await;
+    system.spawn_all(None).await;
+    let first = system.submit("acme", "image.generate", json!({"prompt": "a red boot"})).await;
+    system.wait_state(first, &["succeeded", "needs_human"], LONG).await;
+    let second = system.submit("acme", "image.generate", json!({"prompt": "a blue boot"})).await;
+
+    for task in [first, second] {
+        system.wait_state(task, &["succeeded", "needs_human"], LONG).await;
+        let (state, reason) = system.state(task).await.expect("task");
+        assert_eq!(state, "succeeded", "{reason:?}");
+    }
+    assert_eq!(calls(&system, "img").await, (2, 2), "one charged call per task; downloads are free to repeat");
+}

@@ -248,3 +248,52 @@ async fn a_persons_retry_as_new_is_carried_out_once_as_a_new_operation() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(system.provider("img").calls().await.len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_before_a_stale_request_registers_is_not_taken_as_never_received() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor-a", "executor", &[]).await;
+    // The provider registers the work 6 s after the request arrived: until then a
+    // look-up by its key says "never received" although the request is there.
+    system.provider("img").rule(json!({"register_after_ms": 6000, "times": 1})).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a late shoe"})).await;
+
+    // The call left; the worker is stopped as a long pause would, and another
+    // executor takes its lease over and reports the attempt lost at `call_intent`.
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let phase: Option<String> = sqlx::query_scalar("SELECT phase FROM executor.executions WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_optional(&system.pool)
+            .await
+            .unwrap_or(None);
+        if phase.as_deref() == Some("call_intent") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    system.service("executor-a").signal("STOP");
+    system.spawn("executor-b", "executor", &[]).await;
+
+    // The reconciler's first look-up finds nothing; it must not call that "never
+    // received" before the stale request can no longer arrive, or the retry would
+    // run the same work a second time at a provider that does not dedupe.
+    system.wait_state(task, &["succeeded"], LONG).await;
+    system.service("executor-a").signal("CONT");
+    assert_eq!(calls(&system, "img").await, (1, 1), "one charge: the work was recovered, not done again");
+    let evidence: Vec<String> = sqlx::query_scalar(
+        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
+    )
+    .bind(task.as_uuid())
+    .fetch_all(&system.pool)
+    .await
+    .expect("case");
+    assert!(
+        evidence.iter().any(|e| e.contains("could still arrive")),
+        "the case says why it waited before believing \"never received\": {evidence:?}"
+    );
+}

@@ -47,6 +47,7 @@ struct AskRow {
     operation_key: Option<String>,
     asked: i32,
     ask_until_us: i64,
+    never_received_counts_from_us: i64,
     evidence: sqlx::types::Json<Vec<Evidence>>,
 }
 
@@ -121,7 +122,8 @@ impl Reconciler {
             "UPDATE cases SET next_ask_at_us = $2 WHERE case_id = ( \
                  SELECT case_id FROM cases WHERE state = 'asking' AND next_ask_at_us <= $1 \
                  ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
-             RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, evidence",
+             RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, \
+                       never_received_counts_from_us, evidence",
         )
         .bind(now)
         .bind(now + 30_000_000)
@@ -154,7 +156,21 @@ impl Reconciler {
             Judged::NeverReceived => LookupAnswer::NeverReceived,
             Judged::NoAnswer => LookupAnswer::NoAnswer,
         };
-        let next = after_lookup(domain_answer, u32::try_from(case.asked).unwrap_or(0), until, &backoff, rand::random());
+        let settles_in =
+            Duration::from_micros(u64::try_from(case.never_received_counts_from_us - Timestamp::now().0).unwrap_or(0));
+        let next = match domain_answer {
+            // The lost worker's request may still be on its way: not yet evidence
+            // that nothing was done. Ask again once it can no longer arrive.
+            LookupAnswer::NeverReceived if !settles_in.is_zero() => {
+                all.push(evidence(
+                    "reconciler",
+                    "the provider has no record of it yet, but a request of the lost worker could still arrive; \
+                     asking again once it cannot",
+                ));
+                AfterLookup::AskAgainIn(settles_in)
+            }
+            answer => after_lookup(answer, u32::try_from(case.asked).unwrap_or(0), until, &backoff, rand::random()),
+        };
         let task_id = TaskId::from_uuid(case.task_id);
         let mut tx = self.pool.begin().await?;
         let (decision, result, case_ref) = match (next, answer) {

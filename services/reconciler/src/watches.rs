@@ -67,7 +67,8 @@ impl Watches {
                 .await?;
         let (kind, deadline, slot_provider) = grant.unwrap_or_default();
         let provider_name = lost.provider.clone().unwrap_or(slot_provider);
-        let caps = self.catalog.provider(&provider_name).map(|p| p.capabilities()).unwrap_or_default();
+        let spec = self.catalog.provider(&provider_name);
+        let caps = spec.map(|p| p.capabilities()).unwrap_or_default();
         let case_id = uuid::Uuid::now_v7();
         let now = Timestamp::now().0;
         let ask_until = deadline.unwrap_or(now + i64::try_from(self.settings.ask_for_ms).unwrap_or(0) * 1_000);
@@ -114,6 +115,16 @@ impl Watches {
                     "catalogue",
                     format!("provider `{provider_name}` answers look-ups by operation key"),
                 ));
+                let window = spec.map(|p| p.in_flight_window()).unwrap_or_default();
+                found.push(evidence(
+                    "reconciler",
+                    format!(
+                        "a request the lost worker sent could still reach the provider until {} (its call timeout \
+                         and registration time after the loss was reported); a look-up's \"never received\" \
+                         counts only from then",
+                        Timestamp(now + i64::try_from(window.as_micros()).unwrap_or(i64::MAX / 4)).to_rfc3339()
+                    ),
+                ));
                 ("asking", None)
             }
             AfterLoss::OutcomeUnknown => {
@@ -129,9 +140,10 @@ impl Watches {
         };
         let inserted = sqlx::query(
             "INSERT INTO cases (case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
-             last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at) \
+             last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at, \
+             never_received_counts_from_us) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
-                     CASE WHEN $11 = 'decided' THEN now() END) \
+                     CASE WHEN $11 = 'decided' THEN now() END, $16) \
              ON CONFLICT (task_id, attempt) DO NOTHING",
         )
         .bind(case_id)
@@ -149,6 +161,7 @@ impl Watches {
         .bind(decided.is_none().then_some(now))
         .bind(ask_until)
         .bind(sqlx::types::Json(&found))
+        .bind(now + spec.map(|p| i64::try_from(p.in_flight_window().as_micros()).unwrap_or(i64::MAX / 4)).unwrap_or(0))
         .execute(&mut *tx)
         .await?
         .rows_affected();

@@ -48,6 +48,16 @@ pub struct ProviderSpec {
     /// ambiguous). 502 and 504 are a gateway's and can never be declared safe.
     #[serde(default)]
     pub safe_5xx: BTreeSet<u16>,
+    /// How long after a request reaches this provider a look-up by its key is sure
+    /// to find it, in milliseconds (default 2,000). A look-up's "never received" is
+    /// trusted only once a lost worker's request can no longer arrive and register:
+    /// the call timeout plus this, after the loss was reported (docs/execution.md).
+    #[serde(default = "default_registration_ms")]
+    pub registration_ms: u64,
+}
+
+fn default_registration_ms() -> u64 {
+    2_000
 }
 
 /// What a provider declares it can do.
@@ -109,6 +119,12 @@ impl ProviderSpec {
 
     pub fn call_timeout(&self) -> Duration {
         Duration::from_millis(self.call_timeout_ms)
+    }
+
+    /// After a worker was reported lost, how long a request it sent may still reach
+    /// this provider and register: the call timeout plus the registration time.
+    pub fn in_flight_window(&self) -> Duration {
+        self.call_timeout() + Duration::from_millis(self.registration_ms)
     }
 
     /// The status-code overrides, typed.

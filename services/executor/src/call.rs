@@ -11,7 +11,7 @@ use fenceline_bus::fault;
 use fenceline_config::catalog::StepSpec;
 use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted, Timestamp};
+use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted};
 use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult, VerifyError};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -71,7 +71,7 @@ impl Workers {
             step: step.name.clone(),
             operation_key: key.clone(),
             provider: provider_name.to_owned(),
-            recorded_at: Timestamp::now(),
+            recorded_at: crate::clock::now(),
         });
         self.record(lease, Transition::to(Phase::CallIntent).call(&key, None), &[intent]).await?;
         fault!("executor.after_call_intent");
@@ -121,12 +121,12 @@ impl Workers {
                             step: call.step.to_owned(),
                             operation_key: call.key.to_owned(),
                             provider_request_id: request_id.clone(),
-                            accepted_at: Timestamp::now(),
+                            accepted_at: crate::clock::now(),
                         });
                         let transition = Transition::to(Phase::ProviderAccepted).call(call.key, Some(&request_id));
                         self.record(lease, transition, &[event]).await?;
                     }
-                    if Timestamp::now().0 >= call.deadline_us {
+                    if crate::clock::now().0 >= call.deadline_us {
                         let message = format!("accepted as {request_id}, no result within the attempt budget");
                         self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
                         return Ok(None);
@@ -138,7 +138,8 @@ impl Workers {
                 }
                 CallAnswer::Outcome(outcome) => {
                     let stage = if accepted.is_some() { CallStage::Accepted } else { CallStage::Sent };
-                    let left = Duration::from_micros(u64::try_from(call.deadline_us - Timestamp::now().0).unwrap_or(0));
+                    let left =
+                        Duration::from_micros(u64::try_from(call.deadline_us - crate::clock::now().0).unwrap_or(0));
                     let next = after_outcome(stage, &outcome, call.provider.errors(), tries, left, &backoff, jitter());
                     tries += 1;
                     match (next, &accepted) {
@@ -194,7 +195,7 @@ impl Workers {
                 Err(VerifyError::Unreachable(why)) => {
                     let wait = backoff.delay(tries, None, 0.5 + jitter() / 2.0);
                     tries += 1;
-                    if Timestamp::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX) < call.deadline_us {
+                    if crate::clock::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX) < call.deadline_us {
                         warn!(task_id = %lease.task_id, request_id, error = %why, ?wait,
                             "the artifact could not be fetched; trying again");
                         pause(lease, wait).await?;
@@ -233,7 +234,7 @@ impl Workers {
             step: step.to_owned(),
             output_ref: format!("checkpoint:{}:{}:{step}", lease.task_id, lease.generation),
             sha256: sha.clone(),
-            checkpointed_at: Timestamp::now(),
+            checkpointed_at: crate::clock::now(),
         });
         let transition = Transition {
             checkpoint: Some(Checkpoint { step, output, sha256: &sha }),

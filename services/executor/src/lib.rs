@@ -1,6 +1,7 @@
 //! Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints.
 
 mod call;
+mod clock;
 pub mod grants;
 mod record;
 pub mod worker;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use fenceline_domain::calls::Backoff;
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{AttemptFailed, AttemptReleased, Event, Timestamp, topics};
+use fenceline_events::{AttemptFailed, AttemptReleased, Event, topics};
 use sqlx::PgConnection;
 use tracing::{info, warn};
 
@@ -150,7 +150,7 @@ impl Workers {
         .bind(lease.token)
         .bind(lease.phase.as_str())
         .bind(t.phase.as_str())
-        .bind(Timestamp::now().0)
+        .bind(crate::clock::now().0)
         .bind(t.step)
         .bind(t.status.as_str())
         .bind(key)
@@ -216,7 +216,7 @@ impl Workers {
             message: message.to_owned(),
             retry_after_ms: retry_after.and_then(|d| i64::try_from(d.as_millis()).ok()),
             money_may_have_been_spent: spent,
-            failed_at: Timestamp::now(),
+            failed_at: crate::clock::now(),
         });
         let transition = Transition { new_key, ..Transition::end(lease, Status::Failed) };
         self.record(lease, transition, &[event]).await?;
@@ -239,7 +239,7 @@ pub(crate) fn released(lease: &Lease, reason: ReleaseReason) -> Event {
         attempt: lease.attempt,
         grant_id: lease.grant_id,
         reason,
-        released_at: Timestamp::now(),
+        released_at: crate::clock::now(),
     })
 }
 

@@ -107,7 +107,7 @@ pub(crate) struct Lease {
 impl Lease {
     /// Whether the lease still holds as of its last renewal.
     pub fn holds(&self) -> bool {
-        Timestamp::now().0 < self.valid_until.load(std::sync::atomic::Ordering::Acquire)
+        crate::clock::now().0 < self.valid_until.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether another worker is known to hold the execution now.
@@ -150,7 +150,7 @@ impl Workers {
     /// Claims the oldest ready execution, or one whose lease expired, with a
     /// larger fencing token. A takeover after `call_intent` is reported lost here.
     async fn claim(&self, worker: &str) -> Result<Option<ClaimRow>, Stop> {
-        let now = Timestamp::now().0;
+        let now = crate::clock::now().0;
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         let mut tx = self.pool.begin().await?;
         let claimed: Option<ClaimRow> = sqlx::query_as(
@@ -242,17 +242,8 @@ impl Workers {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         loop {
             tokio::time::sleep(every).await;
-            let now = Timestamp::now().0;
-            let renewed = sqlx::query(
-                "UPDATE executions SET lease_expires_at_us = $3 + $4 \
-                 WHERE grant_id = $1 AND fencing_token = $2 AND status = 'running'",
-            )
-            .bind(lease.grant_id.as_uuid())
-            .bind(lease.token)
-            .bind(now)
-            .bind(lease_us)
-            .execute(&self.pool)
-            .await;
+            let now = crate::clock::now().0;
+            let renewed = renew_at(&self.pool, &lease, now, lease_us).await;
             match renewed {
                 Ok(r) if r.rows_affected() == 0 => {
                     lease.fenced.cancel();
@@ -315,7 +306,7 @@ impl Workers {
             attempt: lease.attempt,
             grant_id: lease.grant_id,
             result,
-            finished_at: Timestamp::now(),
+            finished_at: crate::clock::now(),
         });
         self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[event]).await?;
         Ok(())
@@ -338,13 +329,32 @@ impl Workers {
             attempt: lease.attempt,
             step: step.to_owned(),
             signal_name: signal.to_owned(),
-            since: Timestamp::now(),
+            since: crate::clock::now(),
         });
         let events = [waiting, released(lease, ReleaseReason::AwaitingSignal)];
         let transition = Transition::to(Phase::StepStarted).step(step).status(Status::Released);
         self.record(lease, transition, &events).await?;
         Ok(())
     }
+}
+
+async fn renew_at(
+    pool: &PgPool,
+    lease: &Lease,
+    now: i64,
+    lease_us: i64,
+) -> Result<sqlx::postgres::PgQueryResult, Stop> {
+    fenceline_bus::fault!("executor.renew_lease");
+    Ok(sqlx::query(
+        "UPDATE executions SET lease_expires_at_us = $3 + $4 \
+         WHERE grant_id = $1 AND fencing_token = $2 AND status = 'running'",
+    )
+    .bind(lease.grant_id.as_uuid())
+    .bind(lease.token)
+    .bind(now)
+    .bind(lease_us)
+    .execute(pool)
+    .await?)
 }
 
 /// A stored phase, read in the safe direction: one that cannot be read is taken

@@ -255,6 +255,14 @@ impl System {
         std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
     }
 
+    /// Sets one field of a provider's catalogue entry (before the services start).
+    pub fn set_provider_field(&self, name: &str, field: &str, value: Value) {
+        let mut catalog: Value =
+            serde_json::from_slice(&std::fs::read(&self.catalog).expect("catalogue")).expect("catalogue JSON");
+        catalog["providers"][name][field] = value;
+        std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
+    }
+
     /// Replaces the catalogue's kinds (before the services start).
     pub fn set_kinds(&self, kinds: Value) {
         let mut catalog: Value =

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use fenceline_domain::ids::TaskId;
-use fenceline_events::{Event, topics};
+use fenceline_events::{Event, Timestamp, topics};
 use fenceline_tests::system::{Caps, System};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -104,6 +104,10 @@ struct Figures {
     died_on_their_own: usize,
     broker_restarts: usize,
     postgres_restarts: usize,
+    /// When an executor died (killed, crashed at a point, found dead) or Postgres
+    /// was restarted, in microseconds since the epoch: the moments a call intent
+    /// can be left with nobody to say whether its request left.
+    deaths: Vec<i64>,
 }
 
 /// One submission through intake's API: (status, replayed, task id).
@@ -221,6 +225,9 @@ async fn revive(system: &mut System, figures: &mut Figures) {
     for (id, service) in SERVICES {
         if !system.service(id).running() {
             figures.died_on_their_own += 1;
+            if *service == "executor" {
+                figures.deaths.push(Timestamp::now().0);
+            }
             system.spawn(id, service, &extra(service)).await;
         }
     }
@@ -232,6 +239,9 @@ async fn strike(system: &mut System, rng: &mut StdRng, figures: &mut Figures) {
     let (id, service) = SERVICES[rng.random_range(0..SERVICES.len())];
     if rng.random_bool(0.5) {
         system.service(id).kill();
+        if service == "executor" {
+            figures.deaths.push(Timestamp::now().0);
+        }
         *figures.kills.entry(id.to_owned()).or_default() += 1;
         tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_500))).await;
         system.spawn(id, service, &extra(service)).await;
@@ -247,6 +257,9 @@ async fn strike(system: &mut System, rng: &mut StdRng, figures: &mut Figures) {
     } else {
         // Not reached in time: stop it anyway.
         *figures.kills.entry(id.to_owned()).or_default() += 1;
+    }
+    if service == "executor" {
+        figures.deaths.push(Timestamp::now().0);
     }
     system.spawn(id, service, &extra(service)).await;
 }
@@ -358,11 +371,18 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
             {"name": "refund", "provider": "payments"}
         ])),
     }));
+    // sketcher answers 503 only when it did nothing, and says so in the catalogue:
+    // those retries need no one to decide.
+    system.set_provider_field("sketcher", "safe_5xx", json!([503]));
     let share = |per_thousand: usize| (plan.tasks * per_thousand / 1_000).max(1);
     let rules = [
         ("imagegen", json!({"status": 429, "retry_after_s": 1, "times": share(20)})),
         ("imagegen", json!({"status": 503, "times": share(10)})),
         ("imagegen", json!({"drop_after_accept": true, "times": share(10)})),
+        // A gateway's 504 after the work ran behind it; a look-up settles it.
+        ("imagegen", json!({"status_after_work": 504, "bare": true, "times": share(10)})),
+        // Registered a while after it arrived: an early look-up finds nothing.
+        ("imagegen", json!({"register_after_ms": 1_500, "times": share(5)})),
         ("imagegen", json!({"hang": true, "times": 2})),
         ("imagegen", json!({"latency_ms": 100})),
         ("sketcher", json!({"drop_after_accept": true, "times": share(5)})),
@@ -371,7 +391,10 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         ("sketcher", json!({"latency_ms": 150})),
         ("llm", json!({"status": 429, "retry_after_s": 1, "times": share(20)})),
         ("llm", json!({"drop_after_accept": true, "times": share(10)})),
+        // A 5xx after charging: the retry must carry the same key.
+        ("llm", json!({"status_after_work": 500, "times": share(10)})),
         ("llm", json!({"latency_ms": 80})),
+        ("payments", json!({"status_after_work": 502, "bare": true, "times": share(5)})),
         ("payments", json!({"latency_ms": 100})),
     ];
     for (provider, rule) in rules {
@@ -401,7 +424,9 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
             continue;
         }
         if figures.postgres_restarts == 0 && started.elapsed() >= postgres_at {
+            figures.deaths.push(Timestamp::now().0);
             tokio::task::spawn_blocking(restart_postgres).await.expect("pg_ctl thread");
+            figures.deaths.push(Timestamp::now().0);
             figures.postgres_restarts += 1;
             continue;
         }
@@ -518,17 +543,23 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         assert_eq!(kind, "image.sketch", "task {n} left in doubt at a provider that could settle it");
         *unknown_reasons.entry(reason.unwrap_or_default().chars().take(90).collect()).or_default() += 1;
         if !received.contains(&n) {
-            let last_phase: Option<String> = sqlx::query_scalar(
-                "SELECT last_phase FROM reconciler.cases WHERE task_id = $1 ORDER BY attempt DESC LIMIT 1",
+            let case: Option<(String, i64)> = sqlx::query_as(
+                "SELECT last_phase, last_phase_at_us FROM reconciler.cases WHERE task_id = $1 \
+                 ORDER BY attempt DESC LIMIT 1",
             )
             .bind(id)
             .fetch_optional(&system.pool)
             .await
             .expect("case");
-            if last_phase.as_deref() != Some("call_intent") {
+            // Unknowable only if the worker died (or lost its database) right after
+            // committing the intent: a live worker that knows it did not send says so.
+            let died_there = case.as_ref().is_some_and(|(phase, at)| {
+                phase == "call_intent" && figures.deaths.iter().any(|d| (*at - 1_000_000..=*at + 5_000_000).contains(d))
+            });
+            if !died_there {
                 panic!(
-                    "task {n} is outcome_unknown and its provider never received it, yet it was not lost between \
-                     its call intent and the request leaving (seed {}):\n{}",
+                    "task {n} is outcome_unknown and its provider never received it, yet no executor died (nor \
+                     Postgres restarted) between its call intent and the request leaving: {case:?} (seed {}):\n{}",
                     plan.seed,
                     where_they_stand(&system, &[*id]).await
                 );

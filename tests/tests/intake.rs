@@ -466,6 +466,12 @@ async fn produce_request(intake: &Intake, request: fenceline_events::TaskRequest
     bytes
 }
 
+/// Configures `source` to submit through the upstream topic for `tenant`.
+async fn configure_upstream(intake: &Intake, source: &str, tenant: &str) {
+    let tenant = Tenant::parse(tenant).expect("tenant");
+    fenceline_intake::upstream::add_source(&intake.pool, source, &tenant).await.expect("source configured");
+}
+
 fn hex_of(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -490,6 +496,7 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
         start_intake_with(&[topics::INTAKE_REQUESTS, topics::INTAKE_REJECTED], vec!["ticket.triage".into()], |_| {})
             .await;
     let (pool, prefix) = (intake.pool.clone(), intake.prefix.clone());
+    configure_upstream(&intake, "helpdesk", "acme").await;
 
     produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await;
     produce_request(&intake, ticket("t-1", "acme", "ticket.triage", r#"{"ticket":1}"#)).await; // redelivered
@@ -498,6 +505,8 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
     produce_request(&intake, ticket("t-4", "nobody", "ticket.triage", "{}")).await;
     produce_raw(&brokers(), &topics::named(&prefix, topics::INTAKE_REQUESTS), b"ticket", b"\x00garbage", &[]).await;
     produce_request(&intake, ticket("t-5", "acme", "ticket.triage", r#"{"ticket":5}"#)).await;
+    // helpdesk is acme's source, not globex's: it cannot make globex's (billable) tasks.
+    produce_request(&intake, ticket("t-6", "globex", "ticket.triage", r#"{"ticket":6}"#)).await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while task_rows(&pool).await < 3 {
@@ -506,7 +515,7 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
     }
     let (brokers, rejected_topic) = (brokers(), topics::named(&prefix, topics::INTAKE_REJECTED));
     let rejected =
-        tokio::task::spawn_blocking(move || read_topic(&brokers, &rejected_topic, 3, Duration::from_secs(30)))
+        tokio::task::spawn_blocking(move || read_topic(&brokers, &rejected_topic, 4, Duration::from_secs(30)))
             .await
             .expect("reader");
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -523,7 +532,65 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
     assert_eq!(by_type("unknown-kind").original.0, bad_kind, "the original bytes");
     assert_eq!(by_type("unknown-tenant").source_event_id.as_deref(), Some("t-4"));
     assert_eq!(by_type("invalid-record").original.0, b"\x00garbage");
-    assert_eq!(answers.len(), 3);
+    assert_eq!(by_type("unknown-source").source_event_id.as_deref(), Some("t-6"));
+    assert_eq!(answers.len(), 4);
+}
+
+/// The `RequestRejected` answers on the rejected topic, `expected` of them.
+async fn rejections(intake: &Intake, expected: usize) -> Vec<fenceline_events::RequestRejected> {
+    let (brokers, topic) = (brokers(), topics::named(&intake.prefix, topics::INTAKE_REJECTED));
+    let records = tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, expected, Duration::from_secs(30)))
+        .await
+        .expect("reader");
+    records
+        .iter()
+        .filter_map(|r| match fenceline_events::decode(rdkafka::message::Message::payload(r).expect("value")) {
+            Ok(fenceline_events::Event::RequestRejected(r)) => Some(r),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_record_from_a_source_not_configured_for_its_tenant_is_refused() {
+    let intake =
+        start_intake_with(&[topics::INTAKE_REQUESTS, topics::INTAKE_REJECTED], vec!["ticket.triage".into()], |_| {})
+            .await;
+    let stranger =
+        fenceline_events::TaskRequest { source: "stranger".into(), ..ticket("s-1", "acme", "ticket.triage", "{}") };
+    let original = produce_request(&intake, stranger).await;
+    let answers = rejections(&intake, 1).await;
+    assert_eq!(answers.len(), 1, "{answers:?}");
+    assert_eq!(answers[0].problem_type, "unknown-source");
+    assert_eq!(answers[0].source.as_deref(), Some("stranger"));
+    assert_eq!(answers[0].original.0, original);
+    assert_eq!(task_rows(&intake.pool).await, 0, "no task for acme from a source acme never configured");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_instants_out_of_range_are_refused_not_moved_to_1970() {
+    let intake =
+        start_intake_with(&[topics::INTAKE_REQUESTS, topics::INTAKE_REJECTED], vec!["ticket.triage".into()], |_| {})
+            .await;
+    configure_upstream(&intake, "helpdesk", "acme").await;
+    let now_ns = time::OffsetDateTime::now_utc().unix_timestamp_nanos() as i64;
+    let in_nanoseconds = fenceline_events::TaskRequest {
+        deadline: Some(fenceline_events::Timestamp(now_ns + 3_600_000_000_000)),
+        ..ticket("i-1", "acme", "ticket.triage", "{}")
+    };
+    let before_1970 = fenceline_events::TaskRequest {
+        not_before: Some(fenceline_events::Timestamp(-1)),
+        ..ticket("i-2", "acme", "ticket.triage", "{}")
+    };
+    produce_request(&intake, in_nanoseconds).await;
+    produce_request(&intake, before_1970).await;
+    let answers = rejections(&intake, 2).await;
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    for (answer, field) in answers.iter().zip(["deadline", "not_before"]) {
+        assert_eq!(answer.problem_type, "invalid-request", "{answer:?}");
+        assert!(answer.reason.contains(field) && answer.reason.contains("microseconds"), "{}", answer.reason);
+    }
+    assert_eq!(task_rows(&intake.pool).await, 0);
 }
 
 /// A webhook delivery with its signature headers.
@@ -595,6 +662,31 @@ async fn signed_webhooks_become_tasks_once_and_bad_or_stale_signatures_are_refus
     assert_eq!(task_rows(&intake.pool).await, 1);
     let kind: String = sqlx::query_scalar("SELECT kind FROM tasks").fetch_one(&intake.pool).await.expect("kind");
     assert_eq!(kind, "ticket.triage", "mapped to the source's kind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_spelled_like_a_webhooks_key_is_its_own_submission() {
+    let intake = start_intake().await;
+    let tenant = Tenant::parse("acme").expect("tenant");
+    let (_, secret) = fenceline_intake::webhooks::add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage")
+        .await
+        .expect("secret");
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let body = json!({"ticket": 1}).to_string();
+    let hook = deliver(&intake, "helpdesk", "evt-1", now, &sign(&secret, now, "evt-1", &body), &body).await;
+    assert_eq!(hook.status, 202, "{:?}", hook.body);
+
+    // The webhook's key is `webhook:helpdesk:evt-1` in acme; an API client picks the same text.
+    let url = format!("{}/v1/tasks", intake.base);
+    let key = Some("webhook:helpdesk:evt-1");
+    let api = call("POST", url.clone(), Some(intake.acme.clone()), key, Some(image("red shoe"))).await;
+    assert_eq!((api.status, api.replayed), (202, false), "neither a replay of the webhook's task nor a 422: {api:?}");
+    assert_ne!(api.body["task_id"], hook.body["task_id"]);
+    let again = call("POST", url, Some(intake.acme.clone()), key, Some(image("red shoe"))).await;
+    assert_eq!((again.status, again.replayed, &again.body["task_id"]), (202, true, &api.body["task_id"]));
+    let resent = deliver(&intake, "helpdesk", "evt-1", now, &sign(&secret, now, "evt-1", &body), &body).await;
+    assert_eq!((resent.replayed, &resent.body["task_id"]), (true, &hook.body["task_id"]), "the webhook's own replay");
+    assert_eq!(task_rows(&intake.pool).await, 2);
 }
 
 /// HMAC-SHA256 (RFC 2104) on Postgres's `sha256`, for signing the way old senders did.

@@ -18,6 +18,8 @@ async fn clients_in_another_language_submit_through_the_upstream_topic_and_follo
     system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate".into())]).await;
     system.spawn_all(None).await;
     let token = system.token("acme").await;
+    // The Python producers' sources, configured for acme as an operator would.
+    configure_upstream_sources(&system, &["python-upstream", "python-dashboard"], "acme").await;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/system/test_independent_clients.py");
     let output = tokio::process::Command::new(env("FENCELINE_TEST_PYTHON"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", &script.display().to_string()])
@@ -34,6 +36,20 @@ async fn clients_in_another_language_submit_through_the_upstream_topic_and_follo
     eprintln!("{printed}");
     assert!(output.status.success(), "the independent clients failed:\n{printed}\n{}", system.logs());
     assert!(printed.contains("2 passed"), "both client tests ran:\n{printed}");
+}
+
+/// Lets each of `sources` submit for `tenant` through the upstream topic
+/// (`fenceline-intake add-upstream-source`).
+async fn configure_upstream_sources(system: &System, sources: &[&str], tenant: &str) {
+    use std::str::FromStr as _;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&system.url)
+        .expect("database URL")
+        .options([("search_path", "intake")]);
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.expect("intake");
+    let tenant = fenceline_intake::auth::Tenant::parse(tenant).expect("tenant");
+    for source in sources {
+        fenceline_intake::upstream::add_source(&pool, source, &tenant).await.expect("source configured");
+    }
 }
 
 /// Settings for the test broker's SASL_PLAINTEXT listener, as `user` with `password`.

@@ -237,6 +237,7 @@ async fn submit(
         .map_err(|_| ApiError::IdempotencyKeyInvalid("Idempotency-Key must be visible ASCII".into()))?;
     let key = IdempotencyKey::parse(key)?;
     let task = body.into_inner().validate(&state.kinds)?;
+    // Do not change: `api` is the namespace of every stored API key.
     Ok(submission_answer(tasks::submit(&pool, &state.outbox, &caller.0, &key, task, "api").await?))
 }
 
@@ -462,6 +463,7 @@ async fn webhook(
         labels: [("webhook_source".to_owned(), path.to_string())].into(),
     }
     .validate(&state.kinds)?;
+    // Do not change: the source is the namespace of its stored idempotency keys.
     let source_label = format!("webhook:{}", path.as_str());
     Ok(submission_answer(tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &source_label).await?))
 }

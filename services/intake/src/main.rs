@@ -1,5 +1,6 @@
 //! The intake binary: `serve` (the default) runs the service; `create-token` and
-//! `revoke-token` administer API tokens.
+//! `revoke-token` administer API tokens, `add-webhook-secret` webhook senders and
+//! `add-upstream-source`/`remove-upstream-source` the upstream topic's sources.
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,21 @@ enum Command {
         tenant: String,
         #[arg(long)]
         kind: String,
+    },
+    /// Lets a source submit tasks for a tenant through the upstream topic
+    /// (creating the tenant if needed); records naming another tenant are refused.
+    AddUpstreamSource {
+        #[arg(long)]
+        source: String,
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Stops a source submitting tasks for a tenant through the upstream topic.
+    RemoveUpstreamSource {
+        #[arg(long)]
+        source: String,
+        #[arg(long)]
+        tenant: String,
     },
     /// Revokes a token by its id.
     RevokeToken {
@@ -67,6 +83,25 @@ async fn main() -> anyhow::Result<()> {
             {
                 println!("source={source} secret_id={id} secret={secret}");
             }
+        }
+        Command::AddUpstreamSource { source, tenant } => {
+            let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;
+            let pool = admin_pool(&cli.config).await?;
+            let added = fenceline_intake::upstream::add_source(&pool, &source, &tenant).await?;
+            #[allow(clippy::print_stdout)]
+            {
+                let was = if added { "configured" } else { "already configured" };
+                println!("source={source} tenant={} {was}", tenant.as_str());
+            }
+        }
+        Command::RemoveUpstreamSource { source, tenant } => {
+            let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;
+            let pool = admin_pool(&cli.config).await?;
+            anyhow::ensure!(
+                fenceline_intake::upstream::remove_source(&pool, &source, &tenant).await?,
+                "source {source} was not configured for tenant {}",
+                tenant.as_str()
+            );
         }
         Command::RevokeToken { token_id } => {
             let pool = admin_pool(&cli.config).await?;

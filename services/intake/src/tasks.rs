@@ -91,6 +91,14 @@ impl SubmitTask {
                 ApiError::InvalidRequest(format!("priority: {e}"))
             })?,
         };
+        // Instants travel as microseconds since the epoch; none before it is meant.
+        for (field, instant) in [("deadline", self.deadline), ("not_before", self.not_before)] {
+            if let Some(instant) = instant
+                && Timestamp::from(instant).checked().is_err()
+            {
+                return Err(ApiError::InvalidRequest(format!("{field}: must not be before 1970-01-01T00:00:00Z")));
+            }
+        }
         if let (Some(deadline), Some(not_before)) = (self.deadline, self.not_before)
             && deadline <= not_before
         {
@@ -168,7 +176,11 @@ pub enum Submitted {
     Replayed(Accepted),
 }
 
-/// Submits `task` under `key` for `tenant`, exactly once per key.
+/// Submits `task` under `key` for `tenant`, exactly once per key of `source`.
+///
+/// `source` (`api`, `webhook:{source}`, `topic:{source}`) is both the task's
+/// recorded source and the key's namespace: the same key text from two sources
+/// names two different submissions.
 ///
 /// A concurrent request with the same key blocks on the key's unique index until
 /// the first transaction ends, then replays its answer (or, if the first rolled
@@ -204,11 +216,13 @@ pub async fn submit_in(
 ) -> Result<Submitted, ApiError> {
     let fingerprint = task.fingerprint();
     let task_id = TaskId::new_v7();
+    // The source is the key's namespace: keys of different sources never meet.
     let inserted = sqlx::query(
-        "INSERT INTO idempotency_keys (tenant, idempotency_key, fingerprint, task_id) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT DO NOTHING",
+        "INSERT INTO idempotency_keys (tenant, namespace, idempotency_key, fingerprint, task_id) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
     )
     .bind(tenant.as_str())
+    .bind(source)
     .bind(&key.0)
     .bind(&fingerprint)
     .bind(task_id.as_uuid())
@@ -218,9 +232,11 @@ pub async fn submit_in(
         == 1;
     if !inserted {
         let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
-            "SELECT fingerprint, task_id FROM idempotency_keys WHERE tenant = $1 AND idempotency_key = $2",
+            "SELECT fingerprint, task_id FROM idempotency_keys \
+             WHERE tenant = $1 AND namespace = $2 AND idempotency_key = $3",
         )
         .bind(tenant.as_str())
+        .bind(source)
         .bind(&key.0)
         .fetch_one(&mut *conn)
         .await?;
@@ -661,6 +677,10 @@ mod tests {
         .validate(&kinds())
         .expect_err("window");
         assert!(window.to_string().contains("deadline"));
+        let before_1970 = request(r#"{"kind":"image.generate","input":{},"not_before":"1969-12-31T23:59:59Z"}"#)
+            .validate(&kinds())
+            .expect_err("before 1970");
+        assert!(before_1970.to_string().contains("not_before"), "{before_1970}");
         assert!(serde_json::from_str::<SubmitTask>(r#"{"kind":"x","input":{},"extra":1}"#).is_err());
     }
 

@@ -10,7 +10,7 @@ mod types;
 
 pub use codec::{DecodeError, EncodeError, SchemaRegistry, decode, encode, encode_record, registry};
 pub use headers::{HeaderError, Headers, header_names};
-pub use timestamp::Timestamp;
+pub use timestamp::{OutOfRange, Timestamp};
 pub use types::*;
 
 /// A decoded record: its headers and its event.

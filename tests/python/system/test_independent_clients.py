@@ -2,8 +2,11 @@
 records with confluent-kafka, encoded with fastavro from the .avsc files in schemas/
 (none of Fenceline's own code), and a dashboard follows a task on fenceline.status.
 
-The Rust suite `tests/tests/clients.rs` starts a whole system and runs this file with
+The Rust suite `tests/tests/kafka.rs` starts a whole system and runs this file with
 the system's addresses in the environment; it is not collected by the plain Python run.
+It also configures the sources used here (`SOURCES`) for the tenant, as an operator
+does with `fenceline-intake add-upstream-source`: records from any other source are
+refused.
 """
 
 import io
@@ -31,6 +34,8 @@ INTAKE = os.environ["FENCELINE_CLIENTS_INTAKE_URL"]
 TOKEN = os.environ["FENCELINE_CLIENTS_TOKEN"]
 TENANT = os.environ["FENCELINE_CLIENTS_TENANT"]
 KIND = os.environ["FENCELINE_CLIENTS_KIND"]
+# Configured for TENANT by tests/tests/kafka.rs; keep the two lists alike.
+SOURCES = ("python-upstream", "python-dashboard")
 
 
 def schema(event_type):
@@ -102,7 +107,7 @@ def test_an_outside_producer_submits_tasks_through_the_upstream_topic():
     delivered = []
     for n in range(5):
         request = {
-            "source": "python-upstream",
+            "source": SOURCES[0],
             "source_event_id": f"{run}-{n}",
             "tenant": TENANT,
             "kind": KIND,
@@ -144,7 +149,7 @@ def test_a_dashboard_follows_a_task_to_succeeded_on_the_status_topic():
     value, fp = encode(
         "TaskRequest",
         {
-            "source": "python-dashboard",
+            "source": SOURCES[1],
             "source_event_id": run,
             "tenant": TENANT,
             "kind": KIND,

@@ -208,6 +208,7 @@ async fn main() -> anyhow::Result<()> {
     let mut sent = 0;
     for n in 0..topic_tickets {
         let request = Event::TaskRequest(TaskRequest {
+            // Configured for `demo` by `deploy/local/stack` (`add-upstream-source`).
             source: "crm".into(),
             source_event_id: format!("crm-{}-{n}", demo.run),
             tenant: "demo".into(),

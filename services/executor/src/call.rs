@@ -4,6 +4,11 @@
 //! backoff within the attempt budget, then the attempt fails as ambiguous with the
 //! same operation key. The key changes only after a definite "nothing was done",
 //! in the same fenced write that ends the attempt.
+//!
+//! A paid request leaves only while the task's deadline has not passed and the
+//! lease, freshly renewed, surely holds until the request has left: for the
+//! provider's connect bound plus the lease margin (docs/execution.md, "Executor";
+//! docs/decisions.md on why the lease need not cover the whole call).
 
 use std::time::Duration;
 
@@ -13,6 +18,7 @@ use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_o
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted};
 use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult, VerifyError};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -21,6 +27,23 @@ use crate::worker::{Lease, Stop, Workers, jitter};
 
 /// The longest wait between two polls or two sends of one call, whatever the backoff says.
 const CALL_BACKOFF_CAP: Duration = Duration::from_secs(5);
+
+/// When an attempt must stop, by the monotonic clock (converted from the
+/// database's instants at the claim).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ends {
+    /// The attempt budget runs out: first claim plus the grant's `lease_budget_ms`.
+    pub budget: Instant,
+    /// The task's deadline: no paid call starts after it.
+    pub deadline: Option<Instant>,
+}
+
+/// The longest a paid request may take to leave once the call starts: its
+/// connect bound in `shared/providers` (half the call timeout, at most 1 s). After
+/// that the bytes are out, or the call gave up as "not sent".
+pub(crate) fn send_window(call_timeout: Duration) -> Duration {
+    call_timeout.min(Duration::from_secs(2)) / 2
+}
 
 impl Workers {
     /// One paid step. `Ok(Some(result))`: checkpointed; `Ok(None)`: the attempt
@@ -31,7 +54,7 @@ impl Workers {
         lease: &mut Lease,
         input: serde_json::Value,
         shutdown: &CancellationToken,
-        deadline_us: i64,
+        ends: Ends,
     ) -> Result<Option<ArtifactRef>, Stop> {
         let Some((provider_name, operation)) = step.call() else {
             return Ok(None);
@@ -58,6 +81,14 @@ impl Workers {
             self.release(lease, reason).await?;
             return Ok(None);
         }
+        let past_deadline = format!(
+            "the task's deadline passed before step `{}` could call `{provider_name}`; nothing was sent",
+            step.name
+        );
+        if ends.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
+            return Ok(None);
+        }
         fault!("executor.before_call_intent");
         let key = operation_key(
             lease.task_id,
@@ -75,15 +106,24 @@ impl Workers {
         });
         self.record(lease, Transition::to(Phase::CallIntent).call(&key, None), &[intent]).await?;
         fault!("executor.after_call_intent");
-        if !lease.holds() {
-            // Nothing left. If no one took over, say so, so that no one has to
-            // wonder whether a call was made.
-            let message = "the lease lapsed before the call left; not sent";
-            self.fail(lease, ErrorClass::NotSent, message, None, false, None).await?;
+        // Nothing has left yet. If the call may not start, say so with a fenced
+        // write, so that no one has to wonder whether a call was made.
+        if ends.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
+            return Ok(None);
+        }
+        let window = self.send_window_of(provider_name);
+        if !self.may_send(lease, window).await? {
+            let message = format!(
+                "the lease would not surely hold until the request had left ({} ms and the {} ms margin); not sent",
+                window.as_millis(),
+                crate::worker::LEASE_MARGIN.as_millis()
+            );
+            self.fail(lease, ErrorClass::NotSent, &message, None, false, None).await?;
             warn!(task_id = %lease.task_id, "{message}");
             return Ok(None);
         }
-        let call = Call { step: &step.name, provider, operation, key: &key, seq, deadline_us };
+        let call = Call { step: &step.name, provider, operation, key: &key, seq, window, budget_ends: ends.budget };
         let answer = provider.start(operation, input.clone(), &key).await;
         fault!("executor.after_provider_answer");
         self.follow(lease, &call, input, answer).await
@@ -126,7 +166,7 @@ impl Workers {
                         let transition = Transition::to(Phase::ProviderAccepted).call(call.key, Some(&request_id));
                         self.record(lease, transition, &[event]).await?;
                     }
-                    if crate::clock::now().0 >= call.deadline_us {
+                    if Instant::now() >= call.budget_ends {
                         let message = format!("accepted as {request_id}, no result within the attempt budget");
                         self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
                         return Ok(None);
@@ -138,8 +178,7 @@ impl Workers {
                 }
                 CallAnswer::Outcome(outcome) => {
                     let stage = if accepted.is_some() { CallStage::Accepted } else { CallStage::Sent };
-                    let left =
-                        Duration::from_micros(u64::try_from(call.deadline_us - crate::clock::now().0).unwrap_or(0));
+                    let left = call.budget_ends.saturating_duration_since(Instant::now());
                     let next = after_outcome(stage, &outcome, call.provider.errors(), tries, left, &backoff, jitter());
                     tries += 1;
                     match (next, &accepted) {
@@ -153,7 +192,7 @@ impl Workers {
                             info!(task_id = %lease.task_id, ?wait,
                                 "the provider still runs a request with this key; sending it again later");
                             pause(lease, wait).await?;
-                            if !lease.holds() {
+                            if !self.may_send(lease, call.window).await? {
                                 return Err(Stop::LeaseLapsed);
                             }
                             answer = call.provider.start(call.operation, input.clone(), call.key).await;
@@ -195,7 +234,7 @@ impl Workers {
                 Err(VerifyError::Unreachable(why)) => {
                     let wait = backoff.delay(tries, None, 0.5 + jitter() / 2.0);
                     tries += 1;
-                    if crate::clock::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX) < call.deadline_us {
+                    if Instant::now() + wait < call.budget_ends {
                         warn!(task_id = %lease.task_id, request_id, error = %why, ?wait,
                             "the artifact could not be fetched; trying again");
                         pause(lease, wait).await?;
@@ -217,6 +256,21 @@ impl Workers {
         self.checkpoint(lease, call.step, &output, Some(&artifact.sha256)).await?;
         fault!("executor.after_result_recorded");
         Ok(Some(artifact))
+    }
+
+    /// Renews the lease and answers whether it surely holds for `window` more (with
+    /// the margin). A renewal that fails leaves the lease as the last one granted.
+    async fn may_send(&self, lease: &Lease, window: Duration) -> Result<bool, Stop> {
+        match self.renew(lease).await {
+            Ok(true) => {}
+            Ok(false) => return Err(Stop::Fenced),
+            Err(e) => warn!(task_id = %lease.task_id, error = %e, "renewing the lease before a call failed"),
+        }
+        Ok(lease.holds_for(window))
+    }
+
+    fn send_window_of(&self, provider: &str) -> Duration {
+        self.catalog.providers.get(provider).map_or(Duration::from_secs(1), |spec| send_window(spec.call_timeout()))
     }
 
     /// Records a finished step (`result_recorded`) with its output and announces it.
@@ -253,7 +307,9 @@ struct Call<'a> {
     key: &'a str,
     /// The `seq` the key was made with.
     seq: i32,
-    deadline_us: i64,
+    /// How long the request may take to leave ([`send_window`]).
+    window: Duration,
+    budget_ends: Instant,
 }
 
 /// Sleeps, unless the worker is fenced meanwhile.

@@ -43,8 +43,10 @@ pub struct ExecutorSettings {
     #[arg(long = "workers", env = "FENCELINE_EXECUTOR_WORKERS", default_value_t = 8)]
     pub workers: usize,
 
-    /// Lease length, in milliseconds; renewed every third of it. A worker that
-    /// stops renewing is taken over this long after its last renewal.
+    /// Lease length, in milliseconds; renewed every third of it, and right before
+    /// each paid request. A worker that stops renewing is taken over this long
+    /// after its last renewal (by the database's clock). Two thirds of it must
+    /// cover every provider's send window plus 200 ms, or the service refuses to start.
     #[arg(long = "lease-ms", env = "FENCELINE_EXECUTOR_LEASE_MS", default_value_t = 15_000)]
     pub lease_ms: u64,
 
@@ -57,6 +59,28 @@ pub struct ExecutorSettings {
     pub poll_ms: u64,
 }
 
+/// Refuses a lease too short for a paid request to leave safely: just before a
+/// renewal is due two thirds of it are left, and that must cover the request's
+/// send window plus the lease margin at every provider, or a healthy worker would
+/// refuse its own calls (docs/execution.md, "Executor").
+fn check_lease(catalog: &fenceline_config::catalog::Catalog, lease_ms: u64) -> Result<(), String> {
+    let lease = std::time::Duration::from_millis(lease_ms);
+    for (name, spec) in &catalog.providers {
+        let needed = call::send_window(spec.call_timeout()) + worker::LEASE_MARGIN;
+        if lease * 2 / 3 < needed {
+            return Err(format!(
+                "a lease of {lease_ms} ms (FENCELINE_EXECUTOR_LEASE_MS) is too short for provider `{name}`: two thirds \
+                 of it, what is left just before a renewal, must cover the {} ms its request may take to leave plus \
+                 the {} ms margin; use at least {} ms",
+                call::send_window(spec.call_timeout()).as_millis(),
+                worker::LEASE_MARGIN.as_millis(),
+                (needed * 3).as_millis().div_ceil(2),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Builds the executor: connects and migrates its schema, starts its outbox relay,
 /// its consumer of grants and its workers.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
@@ -65,6 +89,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     if settings.workers == 0 || settings.lease_ms < 300 {
         return Err(Error::Config(fenceline_config::Error("at least one worker and a lease of 300 ms or more".into())));
     }
+    check_lease(&catalog, settings.lease_ms).map_err(|e| Error::Config(fenceline_config::Error(e)))?;
     let providers: HashMap<String, HttpProvider> =
         catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
     let mut app =

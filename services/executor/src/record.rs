@@ -140,9 +140,9 @@ impl Workers {
         let mut tx = self.pool.begin().await?;
         let (key, request_id) = t.call.unzip();
         let cancel_requested: Option<bool> = sqlx::query_scalar(
-            "UPDATE executions SET phase = $4, phase_at_us = $5, step = COALESCE($6, step), status = $7, \
-                 operation_key = COALESCE($8, operation_key), \
-                 provider_request_id = COALESCE($9, provider_request_id) \
+            "UPDATE executions SET phase = $4, phase_at_us = (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
+                 step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
+                 provider_request_id = COALESCE($8, provider_request_id) \
              WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
              RETURNING cancel_requested",
         )
@@ -150,7 +150,6 @@ impl Workers {
         .bind(lease.token)
         .bind(lease.phase.as_str())
         .bind(t.phase.as_str())
-        .bind(crate::clock::now().0)
         .bind(t.step)
         .bind(t.status.as_str())
         .bind(key)

@@ -5,9 +5,15 @@
 //! transaction or pooled connection is held while the provider is called
 //! (`call.rs`). A takeover after `call_intent` reports `AttemptLost` and does
 //! nothing else: the reconciler decides.
+//!
+//! Leases are judged by one clock. The database's (`clock_timestamp()`) sets and
+//! compares every expiry, in the statement that claims or renews; a worker knows
+//! how long its own lease holds from the monotonic instant it sent the renewal plus
+//! the length the database granted, minus [`LEASE_MARGIN`]. No host's wall clock
+//! decides whether a lease expired (docs/execution.md, "Executor").
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use fenceline_bus::OutboxWriter;
@@ -20,10 +26,12 @@ use fenceline_events::{
 use fenceline_providers::HttpProvider;
 use sqlx::PgPool;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::ExecutorSettings;
+use crate::call::Ends;
 use crate::record::{Status, Transition, released};
 
 /// Why a worker stopped an execution early.
@@ -73,7 +81,19 @@ struct ClaimRow {
     operation_key: Option<String>,
     provider_request_id: Option<String>,
     cancel_requested: bool,
+    deadline_us: Option<i64>,
+    /// The database's clock when it granted the lease (micros).
+    db_now_us: i64,
 }
+
+/// Taken off every lease this worker believes it holds: the hop from a check to
+/// the request's first byte (the blocking pool, a busy runtime) and any drift of
+/// this host's monotonic clock from the database's over one lease.
+pub(crate) const LEASE_MARGIN: Duration = Duration::from_millis(200);
+
+/// The database's clock, in micros since the epoch: the one clock leases use.
+/// Do not change: every lease expiry is written and compared in these units.
+const DB_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 /// What every worker of a process shares.
 #[derive(Debug, Clone)]
@@ -98,16 +118,29 @@ pub(crate) struct Lease {
     pub token: i64,
     /// The phase this worker last wrote (the expected phase of its next write).
     pub phase: Phase,
-    /// Until when the lease surely holds (micros), as of the last renewal.
-    valid_until: Arc<std::sync::atomic::AtomicI64>,
+    /// Until when the lease surely holds, by the monotonic clock: the instant the
+    /// latest renewal was sent plus the length the database granted.
+    valid_until: Arc<Mutex<Instant>>,
     /// Cancelled when a renewal found that another worker holds the execution.
     pub fenced: CancellationToken,
 }
 
 impl Lease {
-    /// Whether the lease still holds as of its last renewal.
+    /// Whether the lease still holds, with the margin, as of its last renewal.
     pub fn holds(&self) -> bool {
-        crate::clock::now().0 < self.valid_until.load(std::sync::atomic::Ordering::Acquire)
+        self.holds_for(Duration::ZERO)
+    }
+
+    /// Whether the lease surely holds for `span` more, with the margin.
+    pub fn holds_for(&self, span: Duration) -> bool {
+        let until = *self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
+        Instant::now() + span + LEASE_MARGIN <= until
+    }
+
+    /// A renewal sent at `sent` was granted `granted`; renewals may answer out of order.
+    fn extend(&self, sent: Instant, granted: Duration) {
+        let mut until = self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
+        *until = (*until).max(sent + granted);
     }
 
     /// Whether another worker is known to hold the execution now.
@@ -122,8 +155,8 @@ impl Workers {
         let worker = format!("{}#{index}", self.name);
         while !shutdown.is_cancelled() {
             match self.claim(&worker).await {
-                Ok(Some(claim)) => {
-                    if let Err(e) = self.execute(claim, &shutdown).await {
+                Ok(Some((claim, sent))) => {
+                    if let Err(e) = self.execute(claim, sent, &shutdown).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
                             Stop::LeaseLapsed => warn!(%worker, "{e}"),
@@ -149,25 +182,28 @@ impl Workers {
 
     /// Claims the oldest ready execution, or one whose lease expired, with a
     /// larger fencing token. A takeover after `call_intent` is reported lost here.
-    async fn claim(&self, worker: &str) -> Result<Option<ClaimRow>, Stop> {
-        let now = crate::clock::now().0;
+    /// Expiry is judged by the database's clock in the same statement; the instant
+    /// returned with the claim is when the statement was sent (monotonic).
+    async fn claim(&self, worker: &str) -> Result<Option<(ClaimRow, Instant)>, Stop> {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         let mut tx = self.pool.begin().await?;
-        let claimed: Option<ClaimRow> = sqlx::query_as(
-            "WITH next AS ( \
-                 SELECT grant_id FROM executions \
-                 WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < $1) \
-                 ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
-             UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $2, \
-                 lease_expires_at_us = $1 + $3, takeover = (e.status = 'running'), status = 'running', \
-                 first_claimed_at_us = COALESCE(e.first_claimed_at_us, $1), \
-                 phase = COALESCE(e.phase, 'claimed'), phase_at_us = COALESCE(e.phase_at_us, $1) \
-             FROM next WHERE e.grant_id = next.grant_id \
+        let sent = Instant::now();
+        let claimed: Option<ClaimRow> = sqlx::query_as(&format!(
+            "WITH clock AS (SELECT {DB_NOW_US} AS now_us), \
+             next AS ( \
+                 SELECT grant_id FROM executions, clock \
+                 WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
+                 ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED) \
+             UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $1, \
+                 lease_expires_at_us = clock.now_us + $2, takeover = (e.status = 'running'), status = 'running', \
+                 first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us), \
+                 phase = COALESCE(e.phase, 'claimed'), phase_at_us = COALESCE(e.phase_at_us, clock.now_us) \
+             FROM next, clock WHERE e.grant_id = next.grant_id \
              RETURNING e.grant_id, e.task_id, e.attempt, e.generation, e.kind, e.input_json, e.resume_after_step, \
                  e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
-                 e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested",
-        )
-        .bind(now)
+                 e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
+                 e.deadline_us, clock.now_us AS db_now_us"
+        ))
         .bind(worker)
         .bind(lease_us)
         .fetch_optional(&mut *tx)
@@ -193,7 +229,7 @@ impl Workers {
                 step: claim.step.clone(),
                 operation_key: claim.operation_key.clone(),
                 provider_request_id: claim.provider_request_id.clone(),
-                detected_at: Timestamp(now),
+                detected_at: Timestamp(claim.db_now_us),
             });
             self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
             tx.commit().await?;
@@ -215,10 +251,11 @@ impl Workers {
         if claim.takeover {
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
-        Ok(Some(claim))
+        Ok(Some((claim, sent)))
     }
 
-    async fn execute(&self, claim: ClaimRow, shutdown: &CancellationToken) -> Result<(), Stop> {
+    async fn execute(&self, claim: ClaimRow, sent: Instant, shutdown: &CancellationToken) -> Result<(), Stop> {
+        let granted = Duration::from_micros(u64::try_from(claim.lease_expires_at_us - claim.db_now_us).unwrap_or(0));
         let mut lease = Lease {
             grant_id: GrantId::from_uuid(claim.grant_id),
             task_id: TaskId::from_uuid(claim.task_id),
@@ -226,11 +263,22 @@ impl Workers {
             generation: claim.generation,
             token: claim.fencing_token,
             phase: read_phase(&claim.phase),
-            valid_until: Arc::new(std::sync::atomic::AtomicI64::new(claim.lease_expires_at_us)),
+            valid_until: Arc::new(Mutex::new(sent + granted)),
             fenced: CancellationToken::new(),
         };
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
-        let result = self.steps(&claim, &mut lease, shutdown).await;
+        // The attempt budget and the task's deadline, as monotonic instants: a
+        // database instant `at` lies `at - db_now` after the claim was sent (or
+        // earlier, never later).
+        let at = |us: i64| match u64::try_from(us - claim.db_now_us) {
+            Ok(ahead) => sent + Duration::from_micros(ahead),
+            Err(_) => sent.checked_sub(Duration::from_micros((us - claim.db_now_us).unsigned_abs())).unwrap_or(sent),
+        };
+        let ends = Ends {
+            budget: at(claim.first_claimed_at_us.saturating_add(claim.lease_budget_ms.saturating_mul(1_000))),
+            deadline: claim.deadline_us.map(at),
+        };
+        let result = self.steps(&claim, &mut lease, shutdown, ends).await;
         heartbeat.abort();
         result
     }
@@ -239,23 +287,52 @@ impl Workers {
     /// means another worker took over.
     async fn heartbeat(self, lease: Lease) {
         let every = Duration::from_millis(self.settings.lease_ms / 3);
-        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         loop {
             tokio::time::sleep(every).await;
-            let now = crate::clock::now().0;
-            let renewed = renew_at(&self.pool, &lease, now, lease_us).await;
-            match renewed {
-                Ok(r) if r.rows_affected() == 0 => {
-                    lease.fenced.cancel();
-                    return;
-                }
-                Ok(_) => lease.valid_until.store(now + lease_us, std::sync::atomic::Ordering::Release),
+            match self.renew(&lease).await {
+                Ok(true) => {}
+                Ok(false) => return,
                 Err(e) => warn!(error = %e, "renewing a lease failed; trying again"),
             }
         }
     }
 
-    async fn steps(&self, claim: &ClaimRow, lease: &mut Lease, shutdown: &CancellationToken) -> Result<(), Stop> {
+    /// Renews the lease by the database's clock. `Ok(false)`: another worker
+    /// holds the execution now (the lease is marked fenced).
+    pub(crate) async fn renew(&self, lease: &Lease) -> Result<bool, Stop> {
+        fenceline_bus::fault!("executor.renew_lease");
+        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
+        let sent = Instant::now();
+        let granted: Option<i64> = sqlx::query_scalar(&format!(
+            "WITH clock AS (SELECT {DB_NOW_US} AS now_us) \
+             UPDATE executions SET lease_expires_at_us = clock.now_us + $3 FROM clock \
+             WHERE grant_id = $1 AND fencing_token = $2 AND status = 'running' \
+             RETURNING lease_expires_at_us - clock.now_us"
+        ))
+        .bind(lease.grant_id.as_uuid())
+        .bind(lease.token)
+        .bind(lease_us)
+        .fetch_optional(&self.pool)
+        .await?;
+        match granted {
+            Some(us) => {
+                lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
+                Ok(true)
+            }
+            None => {
+                lease.fenced.cancel();
+                Ok(false)
+            }
+        }
+    }
+
+    async fn steps(
+        &self,
+        claim: &ClaimRow,
+        lease: &mut Lease,
+        shutdown: &CancellationToken,
+        ends: Ends,
+    ) -> Result<(), Stop> {
         let Some(kind) = self.catalog.kind(&claim.kind) else {
             let message = format!("no kind `{}` in the catalogue", claim.kind);
             return self.fail(lease, ErrorClass::Rejected, &message, None, false, None).await;
@@ -265,7 +342,6 @@ impl Workers {
         }
         let input: serde_json::Value = serde_json::from_str(&claim.input_json).unwrap_or(serde_json::Value::Null);
         let done = self.checkpoints(lease).await?;
-        let deadline_us = claim.first_claimed_at_us + claim.lease_budget_ms * 1_000;
         let mut outputs = serde_json::Map::new();
         let mut last: Option<ArtifactRef> = None;
         for step in &kind.steps {
@@ -288,7 +364,7 @@ impl Workers {
                 Some(signal) => return self.await_signal(lease, &step.name, signal).await,
                 None => {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
-                    match self.call_step(step, lease, call_input, shutdown, deadline_us).await? {
+                    match self.call_step(step, lease, call_input, shutdown, ends).await? {
                         Some(result) => {
                             outputs.insert(step.name.clone(), serde_json::to_value(&result).unwrap_or_default());
                             last = Some(result);
@@ -336,25 +412,6 @@ impl Workers {
         self.record(lease, transition, &events).await?;
         Ok(())
     }
-}
-
-async fn renew_at(
-    pool: &PgPool,
-    lease: &Lease,
-    now: i64,
-    lease_us: i64,
-) -> Result<sqlx::postgres::PgQueryResult, Stop> {
-    fenceline_bus::fault!("executor.renew_lease");
-    Ok(sqlx::query(
-        "UPDATE executions SET lease_expires_at_us = $3 + $4 \
-         WHERE grant_id = $1 AND fencing_token = $2 AND status = 'running'",
-    )
-    .bind(lease.grant_id.as_uuid())
-    .bind(lease.token)
-    .bind(now)
-    .bind(lease_us)
-    .execute(pool)
-    .await?)
 }
 
 /// A stored phase, read in the safe direction: one that cannot be read is taken

@@ -1,0 +1,123 @@
+//! Leases, deadlines and the moment a paid request may leave, end to end on the
+//! real stack: an executor whose wall clock is minutes ahead, a grant claimed after
+//! its task's deadline, a worker whose lease would not hold while its request
+//! leaves. The fake provider's ledger judges what was charged.
+
+use std::time::Duration;
+
+use fenceline_domain::ids::TaskId;
+use fenceline_events::Timestamp;
+use fenceline_tests::system::{Caps, System};
+use serde_json::json;
+
+const LONG: Duration = Duration::from_secs(90);
+
+/// Charged calls at the provider, and all calls it received.
+async fn calls(system: &System, provider: &str) -> (usize, usize) {
+    let p = system.provider(provider);
+    (p.charges().await, p.calls().await.len())
+}
+
+/// The fencing token and status of the task's execution.
+async fn execution(system: &System, task: TaskId) -> (i64, String) {
+    sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("execution")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_and_its_own_calls_succeed_once() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor-a", "executor", &[]).await;
+    // A's call takes 5 s: more than twice the 2 s lease, which A keeps renewing.
+    system.provider("img").rule(json!({"latency_ms": 5000, "times": 1})).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a slow shoe"})).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // B's host clock runs five minutes ahead: by its clock every lease has expired.
+    let skew = [("FENCELINE_EXECUTOR_CLOCK_SKEW_MS", "300000".to_owned())];
+    system.spawn("executor-b", "executor", &skew).await;
+
+    system.wait_state(task, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
+    assert_eq!(execution(&system, task).await, (1, "succeeded".to_owned()), "A kept its lease: no takeover");
+    assert_eq!(system.service("executor-b").lines_with("took over").len(), 0, "B took nothing over");
+    assert_eq!(calls(&system, "img").await, (1, 1));
+
+    // With A gone, B runs a task of its own: its lease holds by the database's clock.
+    system.service("executor-a").kill();
+    let own = system.submit("acme", "image.generate", json!({"prompt": "a skewed shoe"})).await;
+    system.wait_state(own, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
+    let (state, reason) = system.state(own).await.expect("task");
+    assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
+    assert_eq!(execution(&system, own).await, (1, "succeeded".to_owned()), "B's own lease was never taken");
+    assert_eq!(calls(&system, "img").await, (2, 2), "one charged call per task");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_claimed_after_its_tasks_deadline_makes_no_call_and_fails_saying_so() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    // Long enough for the scheduler to take the task in and grant it first.
+    let due = Timestamp(Timestamp::now().0 + 15_000_000);
+    let task = system
+        .submit_with("acme", "image.generate", json!({"prompt": "a late shoe"}), |t| t.deadline = Some(due))
+        .await;
+    // Granted at once; no executor runs until the deadline has passed.
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let seen = system.state(task).await;
+        if seen.as_ref().and_then(|(_, reason)| reason.as_deref()).is_some_and(|r| r.contains("granted")) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never granted: {seen:?}\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let past = u64::try_from(due.0 - Timestamp::now().0).unwrap_or(0) + 1_000_000;
+    tokio::time::sleep(Duration::from_micros(past)).await;
+    system.spawn("executor", "executor", &[]).await;
+
+    system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "failed", "{reason:?}");
+    assert!(reason.as_deref().unwrap_or_default().contains("deadline passed"), "{reason:?}");
+    assert_eq!(calls(&system, "img").await, (0, 0), "no call after the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_lease_would_not_hold_while_its_request_leaves_does_not_send() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    // Every renewal fails, and the worker is held up 1.1 s after its call intent:
+    // 0.9 s of its 2 s lease is left, less than the 1 s the request may take to
+    // leave (the connect bound of a 10 s call timeout) plus the margin.
+    system.spawn_all(Some("executor.renew_lease=return;executor.after_call_intent=sleep(1100)")).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a short shoe"})).await;
+
+    system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(calls(&system, "img").await, (0, 0), "nothing was sent: {state} {reason:?}");
+    assert_eq!(state, "needs_human", "{reason:?}");
+    let reason = reason.unwrap_or_default();
+    assert!(reason.contains("not_sent") && reason.contains("not sent"), "{reason}");
+    assert!(system.count_lines("not sent") >= 1, "the worker said why:\n{}", system.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_whose_lease_cannot_cover_a_request_leaving_refuses_to_start() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    // Two thirds of 1.5 s is less than img's 1 s send window plus the 200 ms margin.
+    system.spawn_to_crash("executor", "executor", &[("FENCELINE_EXECUTOR_LEASE_MS", "1500".into())]).await;
+    let exit = system.service("executor").wait_exit(Duration::from_secs(30)).await;
+    let lines = system.service("executor").all_lines();
+    assert!(exit.is_some(), "it started:\n{lines}");
+    assert!(lines.contains("too short for provider `img`"), "it said why:\n{lines}");
+}

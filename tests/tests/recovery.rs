@@ -297,3 +297,63 @@ async fn a_look_up_before_a_stale_request_registers_is_not_taken_as_never_receiv
         "the case says why it waited before believing \"never received\": {evidence:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_that_finds_the_work_done_with_a_bad_artifact_is_a_paid_bad_result_for_a_person() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    // Every operation is done and charged, but its artifact does not match its checksum.
+    system.provider("img").rule(json!({"corrupt_artifact": true})).await;
+    let task = crash_executor_at(&mut system, "executor.after_provider_answer").await;
+
+    system.wait_state(task, &["needs_human"], LONG).await;
+    assert_eq!(calls(&system, "img").await, (1, 1), "paid once, and not done again");
+    let evidence: Vec<String> = sqlx::query_scalar(
+        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
+    )
+    .bind(task.as_uuid())
+    .fetch_all(&system.pool)
+    .await
+    .expect("case");
+    assert!(
+        evidence.iter().any(|e| e.contains("paid for") && e.contains("does not match its checksum")),
+        "the case says the work was paid for and the result is bad: {evidence:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_that_finds_the_work_still_running_at_the_deadline_waits_for_its_result() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor-a", "executor", &[]).await;
+    // The work is registered at once and takes 12 s; the task's deadline is in 6 s.
+    system.provider("img").rule(json!({"latency_ms": 12_000, "times": 1})).await;
+    let deadline = fenceline_events::Timestamp(fenceline_events::Timestamp::now().0 + 6_000_000);
+    let task = system
+        .submit_with("acme", "image.generate", json!({"prompt": "a slow shoe"}), |t| t.deadline = Some(deadline))
+        .await;
+    // Stopped once the call left and its intent is on the broker: a relay stopped in
+    // the middle of a round keeps its shard until it runs again (docs/decisions.md).
+    let wait = tokio::time::Instant::now() + LONG;
+    loop {
+        let intent_published: bool = sqlx::query_scalar(
+            "SELECT count(*) > 0 FROM executor.outbox WHERE event_type = 'CallIntentRecorded' AND published_at IS NOT NULL",
+        )
+        .fetch_one(&system.pool)
+        .await
+        .unwrap_or(false);
+        if intent_published && !system.provider("img").calls().await.is_empty() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < wait, "the call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    system.service("executor-a").signal("STOP");
+    system.spawn("executor-b", "executor", &[]).await;
+
+    // Found, still running, when the deadline passes: that is work in progress that
+    // will be billed, not "no answer"; its result is recovered when it is done.
+    system.wait_state(task, &["succeeded"], LONG).await;
+    system.service("executor-a").signal("CONT");
+    assert_eq!(calls(&system, "img").await, (1, 1), "recovered: one call in all");
+}

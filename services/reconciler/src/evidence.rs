@@ -14,7 +14,7 @@ use fenceline_domain::calls::{AfterLookup, Backoff, LookupAnswer, after_lookup};
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::RecoveryDecision;
 use fenceline_events::{ArtifactRef, AttemptGranted, Event, Evidence, Timestamp, topics};
-use fenceline_providers::{HttpProvider, Lookup};
+use fenceline_providers::{HttpProvider, Lookup, VerifyError};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -149,9 +149,15 @@ impl Reconciler {
             base: Duration::from_millis(self.settings.ask_base_ms),
             cap: Duration::from_millis(self.settings.ask_cap_ms),
         };
-        let until = Duration::from_micros(u64::try_from(case.ask_until_us - Timestamp::now().0).unwrap_or(0));
+        let mut until = Duration::from_micros(u64::try_from(case.ask_until_us - Timestamp::now().0).unwrap_or(0));
+        if matches!(answer, Judged::NotFinished) {
+            // The provider has the work and is doing it: its result is worth waiting
+            // for past the task's deadline (no new attempt starts; a paid result is
+            // recovered), for as long again as a case without a deadline is asked.
+            until += Duration::from_millis(self.settings.ask_for_ms);
+        }
         let domain_answer = match &answer {
-            Judged::Recovered(_) => LookupAnswer::Found { finished: true },
+            Judged::Recovered(_) | Judged::BadResult => LookupAnswer::Found { finished: true },
             Judged::NotFinished => LookupAnswer::Found { finished: false },
             Judged::NeverReceived => LookupAnswer::NeverReceived,
             Judged::NoAnswer => LookupAnswer::NoAnswer,
@@ -186,7 +192,23 @@ impl Reconciler {
                     (Some(RecoveryDecision::NeedsHuman), None, None)
                 }
             }
+            (AfterLookup::Recover, Judged::BadResult) => {
+                all.push(evidence(
+                    "reconciler",
+                    "the provider did the work (it is paid for), but its artifact does not match its checksum: a \
+                     person decides whether to accept it, attach a good one, or pay for the work again",
+                ));
+                (Some(RecoveryDecision::NeedsHuman), None, Some(case.case_id.to_string()))
+            }
             (AfterLookup::RetrySafe, _) => (Some(RecoveryDecision::RetrySafe), None, None),
+            (AfterLookup::OutcomeUnknown, Judged::NotFinished) => {
+                all.push(evidence(
+                    "reconciler",
+                    "the provider has the work and was still doing it when Fenceline stopped asking; it may still \
+                     finish it and bill it",
+                ));
+                (Some(RecoveryDecision::OutcomeUnknown), None, Some(case.case_id.to_string()))
+            }
             (AfterLookup::OutcomeUnknown, _) => {
                 all.push(evidence("reconciler", "no answer from the provider before the task's deadline"));
                 (Some(RecoveryDecision::OutcomeUnknown), None, Some(case.case_id.to_string()))
@@ -256,7 +278,16 @@ impl Reconciler {
                     }),
                     evidence(&source, format!("look-up: done as {request_id}; artifact checksum verified")),
                 ),
-                Err(e) => (Judged::NoAnswer, evidence(&source, format!("look-up: done as {request_id}, but {e}"))),
+                Err(e @ VerifyError::Mismatch { .. }) => {
+                    (Judged::BadResult, evidence(&source, format!("look-up: done as {request_id}, but {e}")))
+                }
+                Err(e) => (
+                    Judged::NoAnswer,
+                    evidence(
+                        &source,
+                        format!("look-up: done as {request_id}, but its artifact could not be fetched: {e}"),
+                    ),
+                ),
             },
         }
     }
@@ -265,6 +296,9 @@ impl Reconciler {
 #[derive(Debug)]
 enum Judged {
     Recovered(ArtifactRef),
+    /// Done and paid for, but the artifact does not match its checksum.
+    BadResult,
+    /// Received, still being done: in progress, not "no answer".
     NotFinished,
     NeverReceived,
     NoAnswer,

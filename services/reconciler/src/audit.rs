@@ -7,8 +7,8 @@
 //!   changed for longer than the threshold.
 //!
 //! Each audit replaces the findings table; new findings are logged, all are served
-//! at `GET /v1/audit`, counted at `GET /metrics` and listed by
-//! `fenceline-reconciler audit`.
+//! at `GET /v1/audit`, counted at `GET /metrics` (both behind the audit token:
+//! they list every tenant's tasks) and listed by `fenceline-reconciler audit`.
 
 use std::time::Duration;
 

@@ -8,11 +8,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fenceline_config::ServiceConfig;
 use fenceline_config::catalog::CatalogConfig;
+use fenceline_config::{ExposeSecret, Secret, ServiceConfig};
 use fenceline_events::topics;
 use fenceline_providers::HttpProvider;
 use fenceline_runtime::{Error, ServiceApp};
+use sha2::{Digest, Sha256};
 
 /// The service's name: its log field, its database schema, its outbox producer.
 pub const NAME: &str = "reconciler";
@@ -71,6 +72,104 @@ pub struct ReconcilerSettings {
     /// How often the audit runs, in milliseconds.
     #[arg(long = "audit-every-ms", env = "FENCELINE_RECONCILER_AUDIT_EVERY_MS", default_value_t = 60_000)]
     pub audit_every_ms: u64,
+
+    /// The bearer token `GET /v1/audit` and `GET /metrics` require (they list every
+    /// tenant's tasks). Never printed. Unset: they answer only on a loopback
+    /// `FENCELINE_HTTP_ADDR`, and `401` on any other.
+    #[arg(
+        long = "audit-token",
+        env = "FENCELINE_RECONCILER_AUDIT_TOKEN",
+        hide_env_values = true,
+        value_parser = parse_secret,
+        conflicts_with = "audit_token_file"
+    )]
+    pub audit_token: Option<Secret>,
+
+    /// A file holding that token (its trailing newline is dropped).
+    #[arg(long = "audit-token-file", env = "FENCELINE_RECONCILER_AUDIT_TOKEN_FILE", value_parser = read_secret_file)]
+    pub audit_token_file: Option<Secret>,
+}
+
+fn parse_secret(raw: &str) -> Result<Secret, String> {
+    if raw.is_empty() {
+        return Err("the audit token may not be empty".into());
+    }
+    Ok(Secret::from(raw.to_owned()))
+}
+
+fn read_secret_file(path: &str) -> Result<Secret, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    parse_secret(text.trim_end_matches(['\n', '\r']))
+}
+
+/// Who may read the audit's endpoints, which list every tenant's task ids, states
+/// and details.
+#[derive(Clone)]
+pub enum AuditAccess {
+    /// Callers with `Authorization: Bearer <token>`; only the token's sha256 is kept.
+    Token([u8; 32]),
+    /// No token configured and the listener is on loopback: callers on this host.
+    Loopback,
+    /// No token configured and the listener is reachable from other hosts: nobody.
+    Closed,
+}
+
+impl std::fmt::Debug for AuditAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Token(_) => "Token([redacted])",
+            Self::Loopback => "Loopback",
+            Self::Closed => "Closed",
+        })
+    }
+}
+
+impl AuditAccess {
+    /// The access the settings give on a listener at `addr`.
+    pub fn new(settings: &ReconcilerSettings, addr: std::net::SocketAddr) -> Self {
+        match settings.audit_token.as_ref().or(settings.audit_token_file.as_ref()) {
+            Some(token) => Self::Token(Sha256::digest(token.expose_secret().as_bytes()).into()),
+            None if addr.ip().is_loopback() => Self::Loopback,
+            None => Self::Closed,
+        }
+    }
+
+    /// Checks a request's `Authorization` header; the refusal's detail otherwise.
+    pub fn check(&self, authorization: Option<&str>) -> Result<(), &'static str> {
+        match self {
+            Self::Loopback => Ok(()),
+            Self::Closed => Err("set FENCELINE_RECONCILER_AUDIT_TOKEN to read the audit from another host"),
+            Self::Token(expected) => {
+                let given =
+                    authorization.and_then(|h| h.strip_prefix("Bearer ")).ok_or("a bearer token is required")?;
+                let given: [u8; 32] = Sha256::digest(given.trim().as_bytes()).into();
+                // Compared in constant time, over digests of a fixed length.
+                let differ = given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+                if differ == 0 { Ok(()) } else { Err("the bearer token is not the audit token") }
+            }
+        }
+    }
+}
+
+/// `401` as `application/problem+json`, like every other refusal of Fenceline's.
+fn unauthorized(detail: &str) -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Unauthorized()
+        .content_type("application/problem+json")
+        .insert_header(("WWW-Authenticate", "Bearer"))
+        .json(serde_json::json!({
+            "type": "/problems/unauthorized",
+            "title": "Unauthorized",
+            "status": 401,
+            "detail": detail,
+        }))
+}
+
+/// The audit's routes, behind `access`.
+pub fn audit_routes(cfg: &mut actix_web::web::ServiceConfig, pool: sqlx::PgPool, access: AuditAccess) {
+    cfg.app_data(actix_web::web::Data::new(pool))
+        .app_data(actix_web::web::Data::new(access))
+        .route("/v1/audit", actix_web::web::get().to(audit_findings))
+        .route("/metrics", actix_web::web::get().to(metrics));
 }
 
 impl ReconcilerSettings {
@@ -88,13 +187,16 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let settings = Arc::new(config.reconciler);
     let providers: HashMap<String, HttpProvider> =
         catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
+    let access = AuditAccess::new(&settings, config.service.http.addr);
+    if matches!(access, AuditAccess::Closed) {
+        tracing::warn!(
+            "the HTTP listener is not on loopback and FENCELINE_RECONCILER_AUDIT_TOKEN is unset: \
+             GET /v1/audit and GET /metrics answer 401"
+        );
+    }
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
-        let pool = actix_web::web::Data::new(base.database.pool.clone());
-        move |cfg: &mut actix_web::web::ServiceConfig| {
-            cfg.app_data(pool.clone())
-                .route("/v1/audit", actix_web::web::get().to(audit_findings))
-                .route("/metrics", actix_web::web::get().to(metrics));
-        }
+        let pool = base.database.pool.clone();
+        move |cfg: &mut actix_web::web::ServiceConfig| audit_routes(cfg, pool.clone(), access.clone())
     })
     .await?;
     let wake = Arc::new(tokio::sync::Notify::new());
@@ -139,18 +241,118 @@ pub async fn audit_now(config: &Config) -> anyhow::Result<Vec<audit::Finding>> {
     Ok(found)
 }
 
-async fn audit_findings(pool: actix_web::web::Data<sqlx::PgPool>) -> actix_web::HttpResponse {
+fn authorization(req: &actix_web::HttpRequest) -> Option<&str> {
+    req.headers().get(actix_web::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok())
+}
+
+async fn audit_findings(
+    req: actix_web::HttpRequest,
+    access: actix_web::web::Data<AuditAccess>,
+    pool: actix_web::web::Data<sqlx::PgPool>,
+) -> actix_web::HttpResponse {
+    if let Err(detail) = access.check(authorization(&req)) {
+        return unauthorized(detail);
+    }
     match audit::findings(&pool).await {
         Ok(found) => actix_web::HttpResponse::Ok().json(serde_json::json!({ "findings": found })),
         Err(e) => actix_web::HttpResponse::ServiceUnavailable().body(e.to_string()),
     }
 }
 
-async fn metrics(pool: actix_web::web::Data<sqlx::PgPool>) -> actix_web::HttpResponse {
+async fn metrics(
+    req: actix_web::HttpRequest,
+    access: actix_web::web::Data<AuditAccess>,
+    pool: actix_web::web::Data<sqlx::PgPool>,
+) -> actix_web::HttpResponse {
+    if let Err(detail) = access.check(authorization(&req)) {
+        return unauthorized(detail);
+    }
     match audit::findings(&pool).await {
         Ok(found) => {
             actix_web::HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(audit::metrics(&found))
         }
         Err(e) => actix_web::HttpResponse::ServiceUnavailable().body(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Only {
+        #[command(flatten)]
+        settings: ReconcilerSettings,
+    }
+
+    fn settings(args: &[&str]) -> ReconcilerSettings {
+        let mut argv = vec!["fenceline-reconciler"];
+        argv.extend_from_slice(args);
+        Only::try_parse_from(argv).expect("settings").settings
+    }
+
+    /// A pool that never connects: a refused request must not need the database.
+    fn nowhere() -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_millis(200))
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("lazy pool")
+    }
+
+    async fn get(access: AuditAccess, path: &str, token: Option<&str>) -> (u16, String, String) {
+        use actix_web::test;
+        let app = test::init_service(actix_web::App::new().configure(|cfg| audit_routes(cfg, nowhere(), access))).await;
+        let mut request = test::TestRequest::get().uri(path);
+        if let Some(token) = token {
+            request = request.insert_header(("Authorization", format!("Bearer {token}")));
+        }
+        let answer = test::call_service(&app, request.to_request()).await;
+        let status = answer.status().as_u16();
+        let media = answer.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        let body = String::from_utf8_lossy(&test::read_body(answer).await).into_owned();
+        (status, media, body)
+    }
+
+    #[actix_web::test]
+    async fn the_audit_and_its_metrics_need_the_token() {
+        let remote: std::net::SocketAddr = "0.0.0.0:8080".parse().expect("addr");
+        let access = AuditAccess::new(&settings(&["--audit-token", "s3cret-audit"]), remote);
+        for path in ["/v1/audit", "/metrics"] {
+            for token in [None, Some("wrong")] {
+                let (status, media, body) = get(access.clone(), path, token).await;
+                assert_eq!((status, media.as_str()), (401, "application/problem+json"), "{path} {token:?}: {body}");
+                assert!(body.contains("/problems/unauthorized"), "{body}");
+            }
+            // The right token passes the check (and then finds no database here).
+            let (status, _, body) = get(access.clone(), path, Some("s3cret-audit")).await;
+            assert_eq!(status, 503, "{path}: {body}");
+        }
+        assert!(!format!("{access:?}{:?}", settings(&["--audit-token", "s3cret-audit"])).contains("s3cret"));
+    }
+
+    #[actix_web::test]
+    async fn without_a_token_only_a_loopback_listener_serves_the_audit() {
+        let loopback = AuditAccess::new(&settings(&[]), "127.0.0.1:0".parse().expect("addr"));
+        assert_eq!(get(loopback, "/metrics", None).await.0, 503, "served (no database here)");
+        let remote = AuditAccess::new(&settings(&[]), "0.0.0.0:0".parse().expect("addr"));
+        let (status, _, body) = get(remote, "/v1/audit", Some("anything")).await;
+        assert_eq!(status, 401, "{body}");
+        assert!(body.contains("FENCELINE_RECONCILER_AUDIT_TOKEN"), "{body}");
+    }
+
+    #[test]
+    fn the_token_can_come_from_a_file() {
+        let path = std::env::temp_dir().join(format!("audit-token-{}", std::process::id()));
+        std::fs::write(&path, "from-a-file\n").expect("write");
+        let access = AuditAccess::new(
+            &settings(&["--audit-token-file", &path.display().to_string()]),
+            "0.0.0.0:0".parse().expect("addr"),
+        );
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(access.check(Some("Bearer from-a-file")), Ok(()));
+        assert!(access.check(Some("Bearer from-a-file\n ")).is_ok(), "surrounding space is not part of a token");
+        assert!(access.check(None).is_err());
     }
 }

@@ -104,6 +104,8 @@ pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_i
             kind_schemas: None,
             idempotency_retention_hours: 24,
             webhook_tolerance_seconds: 300,
+            unscheduled_after_minutes: 10,
+            task_retention_days: 30,
             body_limit_bytes: 4096,
         },
     }

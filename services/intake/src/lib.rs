@@ -76,6 +76,20 @@ pub struct IntakeConfig {
     )]
     pub webhook_tolerance_seconds: i64,
 
+    /// A task accepted this long ago whose status never arrived from the scheduler
+    /// is reported (ERROR, and by `fenceline-intake unscheduled`), in minutes.
+    #[arg(
+        long = "unscheduled-after-minutes",
+        env = "FENCELINE_INTAKE_UNSCHEDULED_AFTER_MINUTES",
+        default_value_t = 10
+    )]
+    pub unscheduled_after_minutes: u64,
+
+    /// Finished tasks (succeeded, failed, cancelled) are deleted with all their rows
+    /// this long after their last status, in days.
+    #[arg(long = "task-retention-days", env = "FENCELINE_INTAKE_TASK_RETENTION_DAYS", default_value_t = 30)]
+    pub task_retention_days: u32,
+
     /// Largest request body, in bytes.
     #[arg(long = "body-limit-bytes", env = "FENCELINE_INTAKE_BODY_LIMIT_BYTES", default_value_t = 256 * 1024)]
     pub body_limit_bytes: usize,
@@ -145,21 +159,67 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     )?;
 
     let retention = config.intake.idempotency_retention_hours;
+    let task_retention = Duration::from_secs(u64::from(config.intake.task_retention_days) * 86_400);
     let shutdown = app.base.shutdown.child_token();
     app.base.spawn(async move {
         let mut every = tokio::time::interval(Duration::from_secs(300));
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = every.tick() => match tasks::purge_idempotency_keys(&pool, retention).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(purged = n, "expired idempotency keys purged"),
-                    Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
-                },
+                _ = every.tick() => {
+                    match tasks::purge_idempotency_keys(&pool, retention).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(purged = n, "expired idempotency keys purged"),
+                        Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+                    }
+                    match tasks::purge_finished_tasks(&pool, task_retention, 500).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                        Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
+                    }
+                }
+            }
+        }
+    });
+    let pool = app.base.database.pool.clone();
+    let after = config.intake.unscheduled_after();
+    let shutdown = app.base.shutdown.child_token();
+    app.base.spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => report_unscheduled(&pool, after).await,
             }
         }
     });
     Ok(app)
+}
+
+impl IntakeConfig {
+    /// How old an accepted task may be before it must have reached the scheduler.
+    pub fn unscheduled_after(&self) -> Duration {
+        Duration::from_secs(self.unscheduled_after_minutes.saturating_mul(60))
+    }
+}
+
+/// Logs the tasks that never reached the scheduler: ERROR, because nothing runs
+/// them and only a person can (see the outbox's and the dead-letter topic's alarms).
+async fn report_unscheduled(pool: &PgPool, after: Duration) {
+    match tasks::unscheduled(pool, after, 20).await {
+        Ok((_, 0)) => {}
+        Ok((found, count)) => {
+            let ids: Vec<String> = found.iter().map(|t| t.task_id.to_string()).collect();
+            tracing::error!(
+                count,
+                oldest = ?found.first().map(|t| t.accepted_at),
+                task_ids = %ids.join(","),
+                "tasks accepted more than {} minutes ago never reached the scheduler",
+                after.as_secs() / 60
+            );
+        }
+        Err(e) => tracing::warn!(error = %e, "looking for tasks that never reached the scheduler failed"),
+    }
 }
 
 /// A resource that answers `405` with `Allow: allow` to any other method.

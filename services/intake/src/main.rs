@@ -49,6 +49,9 @@ enum Command {
         #[arg(long)]
         tenant: String,
     },
+    /// Lists the tasks accepted longer ago than `--unscheduled-after-minutes` that
+    /// never reached the scheduler (exit status 1 if there are any).
+    Unscheduled,
     /// Revokes a token by its id.
     RevokeToken {
         #[arg(long)]
@@ -102,6 +105,16 @@ async fn main() -> anyhow::Result<()> {
                 "source {source} was not configured for tenant {}",
                 tenant.as_str()
             );
+        }
+        Command::Unscheduled => {
+            let pool = admin_pool(&cli.config).await?;
+            let (found, count) =
+                fenceline_intake::tasks::unscheduled(&pool, cli.config.intake.unscheduled_after(), 1000).await?;
+            #[allow(clippy::print_stdout)]
+            for task in &found {
+                println!("{}\t{}\t{}", task.task_id, task.tenant, task.accepted_at);
+            }
+            anyhow::ensure!(count == 0, "{count} tasks never reached the scheduler");
         }
         Command::RevokeToken { token_id } => {
             let pool = admin_pool(&cli.config).await?;

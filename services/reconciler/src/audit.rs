@@ -90,3 +90,31 @@ pub fn metrics(findings: &[Finding]) -> String {
     }
     out
 }
+
+/// Deletes the reconciler's rows of tasks that finished (`succeeded`, `failed`,
+/// `cancelled` on the status topic) longer than `retention` ago: their grants,
+/// calls, cases, findings and status, `batch` tasks per transaction. Returns how
+/// many tasks went. Open tasks are never purged.
+pub async fn purge_finished(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+    let cutoff = Timestamp::now().0.saturating_sub(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX));
+    let mut purged = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT task_id FROM task_states WHERE state IN ('succeeded', 'failed', 'cancelled') \
+             AND updated_at_us < $1 ORDER BY updated_at_us LIMIT $2",
+        )
+        .bind(cutoff)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+        for table in ["grants", "calls", "cases", "audit_findings", "task_states"] {
+            sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        purged += ids.len() as u64;
+        if (ids.len() as i64) < batch {
+            return Ok(purged);
+        }
+    }
+}

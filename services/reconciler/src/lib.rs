@@ -73,6 +73,11 @@ pub struct ReconcilerSettings {
     #[arg(long = "audit-every-ms", env = "FENCELINE_RECONCILER_AUDIT_EVERY_MS", default_value_t = 60_000)]
     pub audit_every_ms: u64,
 
+    /// Rows of finished tasks (grants, calls, cases, status) are deleted this long
+    /// after the task's last status, in days.
+    #[arg(long = "retention-days", env = "FENCELINE_RECONCILER_RETENTION_DAYS", default_value_t = 30)]
+    pub retention_days: u32,
+
     /// The bearer token `GET /v1/audit` and `GET /metrics` require (they list every
     /// tenant's tasks). Never printed. Unset: they answer only on a loopback
     /// `FENCELINE_HTTP_ADDR`, and `401` on any other.
@@ -184,6 +189,7 @@ impl ReconcilerSettings {
 /// relay, its consumer of grants and attempts, and its evidence loop.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let catalog = Arc::new(config.catalog.load()?);
+    let reconciler_retention_days = config.reconciler.retention_days;
     let settings = Arc::new(config.reconciler);
     let providers: HashMap<String, HttpProvider> =
         catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
@@ -226,6 +232,22 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                         tracing::warn!(error = %e, "the audit failed; trying again at the next round");
                     }
                 }
+            }
+        }
+    });
+    let shutdown = app.base.shutdown.child_token();
+    let pool = app.base.database.pool.clone();
+    let retention = Duration::from_secs(u64::from(reconciler_retention_days) * 86_400);
+    app.base.spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(300));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => match audit::purge_finished(&pool, retention, 500).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                    Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
+                },
             }
         }
     });

@@ -357,3 +357,69 @@ async fn a_look_up_that_finds_the_work_still_running_at_the_deadline_waits_for_i
     system.service("executor-a").signal("CONT");
     assert_eq!(calls(&system, "img").await, (1, 1), "recovered: one call in all");
 }
+
+/// Publishes what the executor says of a call lost at `call_intent` at `provider`.
+async fn lose_a_call(system: &System, provider: &str) -> fenceline_domain::ids::TaskId {
+    use fenceline_events::{AttemptLost, CallIntentRecorded, Event, Timestamp, topics};
+    let task = fenceline_domain::ids::TaskId::new_v7();
+    let key = format!("key-{}", uuid::Uuid::now_v7().simple());
+    let intent = CallIntentRecorded {
+        task_id: task,
+        attempt: 1,
+        step: "render".into(),
+        operation_key: key.clone(),
+        provider: provider.into(),
+        recorded_at: Timestamp::now(),
+    };
+    system.publish(topics::ATTEMPTS, &Event::CallIntentRecorded(intent)).await;
+    let lost = AttemptLost {
+        task_id: task,
+        attempt: 1,
+        grant_id: fenceline_domain::ids::GrantId::new_v7(),
+        last_phase: fenceline_domain::vocabulary::Phase::CallIntent,
+        last_phase_at: Timestamp::now(),
+        step: Some("render".into()),
+        operation_key: Some(key),
+        provider_request_id: None,
+        detected_at: Timestamp::now(),
+    };
+    system.publish(topics::ATTEMPTS, &Event::AttemptLost(lost)).await;
+    task
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_does_not_answer_look_ups_does_not_hold_up_the_cases_of_another() {
+    let lookup = Caps { lookup: true, ..Caps::default() };
+    let mut system = System::new(&[("stuck", lookup), ("prompt", lookup)]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    // `stuck` stops answering: each look-up there waits for its call timeout (10 s).
+    system.provider("stuck").proc.signal("STOP");
+    for _ in 0..8 {
+        lose_a_call(&system, "stuck").await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let prompt = lose_a_call(&system, "prompt").await;
+
+    // The case at `prompt` is asked at once, whatever waits at `stuck`.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    loop {
+        let asked: bool = sqlx::query_scalar(
+            "SELECT count(*) > 0 FROM reconciler.cases, jsonb_array_elements(evidence) e \
+             WHERE task_id = $1 AND e->>'source' = 'provider prompt'",
+        )
+        .bind(prompt.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .unwrap_or(false);
+        if asked {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the case at `prompt` was not asked within 8 s while `stuck` hung:\n{}",
+            system.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    system.provider("stuck").proc.signal("CONT");
+}

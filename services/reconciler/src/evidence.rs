@@ -1,6 +1,6 @@
-//! The reconciler's own loop: re-issues grants nobody claimed in time (same grant
-//! id, so the executor runs them once), and asks providers about open cases with
-//! backoff until the task's deadline: found, the result is verified and recovered;
+//! The reconciler's own loops: one re-issues grants nobody claimed in time (same
+//! grant id, so the executor runs them once); the other asks providers about open
+//! cases, a few at a time per provider, with backoff until the task's deadline: found, the result is verified and recovered;
 //! never received, a retry is safe; no answer in time, the outcome is unknown.
 //! Provider calls happen outside any transaction; each decision is one.
 
@@ -51,23 +51,76 @@ struct AskRow {
     evidence: sqlx::types::Json<Vec<Evidence>>,
 }
 
+/// Look-ups in flight at once at one provider: a provider that answers slowly (or
+/// not at all) takes this many cases' turns, never every other provider's.
+pub const LOOKUPS_PER_PROVIDER: usize = 4;
+
 impl Reconciler {
+    /// Runs the two loops until `shutdown`: re-issuing unclaimed grants, and asking
+    /// providers about open cases. They are apart so that a slow look-up never delays
+    /// a re-issue.
     pub async fn run(self, shutdown: CancellationToken) {
+        let reissues = tokio::spawn(self.clone().reissue_loop(shutdown.clone()));
+        self.ask_loop(shutdown).await;
+        let _ = reissues.await;
+    }
+
+    async fn reissue_loop(self, shutdown: CancellationToken) {
+        let every = LONGEST_SLEEP.min(Duration::from_millis(self.settings.claim_timeout_ms));
         while !shutdown.is_cancelled() {
             if let Err(e) = self.reissue_unclaimed().await {
                 warn!(error = %e, "re-issuing grants failed; trying again");
             }
-            match self.ask_next().await {
-                Ok(true) => continue,
-                Ok(false) => {}
-                Err(e) => warn!(error = %e, "asking a provider failed; trying again"),
-            }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(LONGEST_SLEEP.min(Duration::from_millis(self.settings.claim_timeout_ms))) => {}
+                _ = tokio::time::sleep(every) => {}
             }
         }
+    }
+
+    /// Claims due cases and asks about them concurrently, at most
+    /// [`LOOKUPS_PER_PROVIDER`] at a time per provider. A case whose look-up is cut
+    /// short by shutdown keeps its claim, which lapses after 30 s: it is asked again.
+    async fn ask_loop(self, shutdown: CancellationToken) {
+        let mut asking: tokio::task::JoinSet<String> = tokio::task::JoinSet::new();
+        let mut busy: HashMap<String, usize> = HashMap::new();
+        let release = |busy: &mut HashMap<String, usize>, done: Result<String, tokio::task::JoinError>| {
+            if let Ok(provider) = done
+                && let Some(n) = busy.get_mut(&provider)
+            {
+                *n = n.saturating_sub(1);
+            }
+        };
+        while !shutdown.is_cancelled() {
+            while let Some(done) = asking.try_join_next() {
+                release(&mut busy, done);
+            }
+            let full: Vec<String> =
+                busy.iter().filter(|(_, n)| **n >= LOOKUPS_PER_PROVIDER).map(|(p, _)| p.clone()).collect();
+            match self.claim_due(&full).await {
+                Ok(Some(case)) => {
+                    let provider = case.provider.clone().unwrap_or_default();
+                    *busy.entry(provider.clone()).or_default() += 1;
+                    let this = self.clone();
+                    asking.spawn(async move {
+                        if let Err(e) = this.ask(case).await {
+                            warn!(error = %e, "asking a provider failed; trying again");
+                        }
+                        provider
+                    });
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => warn!(error = %e, "claiming a case to ask about failed; trying again"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = self.wake.notified() => {}
+                Some(done) = asking.join_next(), if !asking.is_empty() => release(&mut busy, done),
+                _ = tokio::time::sleep(LONGEST_SLEEP) => {}
+            }
+        }
+        asking.abort_all();
     }
 
     /// Re-publishes grants not claimed within the claim timeout.
@@ -114,24 +167,28 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Asks about the next open case that is due. Returns whether there was one.
-    async fn ask_next(&self) -> Result<bool, fenceline_bus::Error> {
+    /// Claims the next open case that is due, of a provider not in `full`, for a
+    /// while (its next ask moves 30 s on), so that it is asked outside a transaction.
+    async fn claim_due(&self, full: &[String]) -> Result<Option<AskRow>, fenceline_bus::Error> {
         let now = Timestamp::now().0;
-        // Claim the case for a while (next_ask_at moves on), then ask without a transaction.
         let case: Option<AskRow> = sqlx::query_as(
             "UPDATE cases SET next_ask_at_us = $2 WHERE case_id = ( \
                  SELECT case_id FROM cases WHERE state = 'asking' AND next_ask_at_us <= $1 \
+                 AND NOT (coalesce(provider, '') = ANY($3)) \
                  ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
              RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, \
                        never_received_counts_from_us, evidence",
         )
         .bind(now)
         .bind(now + 30_000_000)
+        .bind(full)
         .fetch_optional(&self.pool)
         .await?;
-        let Some(case) = case else {
-            return Ok(false);
-        };
+        Ok(case)
+    }
+
+    /// Asks the provider about one claimed case and decides, or sets its next ask.
+    async fn ask(&self, case: AskRow) -> Result<(), fenceline_bus::Error> {
         let provider = case.provider.as_deref().and_then(|p| self.providers.get(p));
         let (answer, mut found) = match (provider, case.operation_key.as_deref()) {
             (Some(provider), Some(key)) => {
@@ -249,7 +306,7 @@ impl Reconciler {
         }
         tx.commit().await?;
         self.outbox.committed();
-        Ok(true)
+        Ok(())
     }
 
     fn is_last_call(&self, kind: &str, step: Option<&str>) -> bool {

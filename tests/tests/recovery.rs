@@ -423,3 +423,62 @@ async fn a_provider_that_does_not_answer_look_ups_does_not_hold_up_the_cases_of_
     }
     system.provider("stuck").proc.signal("CONT");
 }
+
+/// A grant of `task` as the scheduler would publish it.
+fn grant_of(task: fenceline_domain::ids::TaskId) -> fenceline_events::AttemptGranted {
+    use fenceline_events::Timestamp;
+    fenceline_events::AttemptGranted {
+        grant_id: fenceline_domain::ids::GrantId::new_v7(),
+        task_id: task,
+        tenant: "acme".into(),
+        attempt: 1,
+        generation: 0,
+        kind: "image.generate".into(),
+        input_json: "{}".into(),
+        resume_after_step: None,
+        provider: "img".into(),
+        slot: "img".into(),
+        lease_budget_ms: 60_000,
+        deadline: None,
+        granted_at: Timestamp::now(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_or_a_cancel_heard_before_its_grant_keeps_the_grant_from_being_reissued() {
+    use fenceline_events::{AttemptClaimed, CancelAttempt, Event, Timestamp, topics};
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    let (claimed, cancelled) =
+        (grant_of(fenceline_domain::ids::TaskId::new_v7()), grant_of(fenceline_domain::ids::TaskId::new_v7()));
+    // The claim and the cancel come first (they travel on other topics than the grant).
+    let claim = AttemptClaimed {
+        grant_id: claimed.grant_id,
+        task_id: claimed.task_id,
+        attempt: 1,
+        fencing_token: 1,
+        lease_expires_at: Timestamp::now(),
+        worker: "executor#0".into(),
+    };
+    system.publish(topics::ATTEMPTS, &Event::AttemptClaimed(claim)).await;
+    let cancel =
+        CancelAttempt { task_id: cancelled.task_id, grant_id: cancelled.grant_id, requested_at: Timestamp::now() };
+    system.publish(topics::DISPATCH, &Event::CancelAttempt(cancel)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    system.publish(topics::DISPATCH, &Event::AttemptGranted(claimed.clone())).await;
+    system.publish(topics::DISPATCH, &Event::AttemptGranted(cancelled.clone())).await;
+
+    // Past the claim timeout (4 s) and the reconciler's rounds, neither was re-issued.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    let rows: Vec<(uuid::Uuid, bool, bool, i32)> =
+        sqlx::query_as("SELECT grant_id, claimed, ended, reissues FROM reconciler.grants ORDER BY grant_id")
+            .fetch_all(&system.pool)
+            .await
+            .expect("grants");
+    assert_eq!(rows.len(), 2, "both grants recorded: {rows:?}");
+    for (grant, claimed_flag, ended, reissues) in &rows {
+        assert_eq!(*reissues, 0, "grant {grant} was re-issued: {rows:?}");
+        let expected = if *grant == claimed.grant_id.as_uuid() { (true, false) } else { (false, true) };
+        assert_eq!((*claimed_flag, *ended), expected, "grant {grant}: {rows:?}");
+    }
+}

@@ -186,9 +186,17 @@ impl Handler for Watches {
             Event::AttemptGranted(g) => {
                 let claim_by = Timestamp::now().0 + i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
                 let granted = serde_json::to_value(g).map_err(|e| HandleError::Poison(e.to_string()))?;
+                // What was heard of this grant before it arrived applies at once.
+                let early: Option<(bool, bool)> =
+                    sqlx::query_as("DELETE FROM early_grant_facts WHERE grant_id = $1 RETURNING claimed, ended")
+                        .bind(g.grant_id.as_uuid())
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let (claimed, ended) = early.unwrap_or_default();
                 sqlx::query(
                     "INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
-                     claim_deadline_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (grant_id) DO NOTHING",
+                     claim_deadline_us, claimed, ended) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                     ON CONFLICT (grant_id) DO NOTHING",
                 )
                 .bind(g.grant_id.as_uuid())
                 .bind(g.task_id.as_uuid())
@@ -198,16 +206,15 @@ impl Handler for Watches {
                 .bind(g.deadline.map(|d| d.0))
                 .bind(granted)
                 .bind(claim_by)
+                .bind(claimed)
+                .bind(ended)
                 .execute(&mut *tx)
                 .await?;
             }
-            Event::CancelAttempt(_) => {}
-            Event::AttemptClaimed(e) => {
-                sqlx::query("UPDATE grants SET claimed = true WHERE grant_id = $1")
-                    .bind(e.grant_id.as_uuid())
-                    .execute(&mut *tx)
-                    .await?;
-            }
+            // A cancelled grant is never re-issued: a re-issue after the cancel would
+            // start an execution that knows nothing of it.
+            Event::CancelAttempt(e) => self.ended(tx, e.grant_id).await?,
+            Event::AttemptClaimed(e) => self.fact(tx, e.grant_id, GrantFact::Claimed).await?,
             Event::CallIntentRecorded(e) => {
                 sqlx::query(
                     "INSERT INTO calls (task_id, attempt, step, provider, operation_key, intent_at_us) \
@@ -301,12 +308,44 @@ impl Handler for Watches {
 
 type CallRow = (String, String, String, Option<String>, i64);
 
+/// What can be heard of a grant on fenceline.attempts (and its cancel on dispatch).
+#[derive(Debug, Clone, Copy)]
+enum GrantFact {
+    Claimed,
+    Ended,
+}
+
 impl Watches {
     async fn ended(&self, tx: &mut PgConnection, grant_id: fenceline_domain::ids::GrantId) -> Result<(), sqlx::Error> {
-        sqlx::query("UPDATE grants SET ended = true WHERE grant_id = $1")
+        self.fact(tx, grant_id, GrantFact::Ended).await
+    }
+
+    /// Records that a grant was claimed or ended; kept for later when the grant
+    /// itself has not arrived yet.
+    async fn fact(
+        &self,
+        tx: &mut PgConnection,
+        grant_id: fenceline_domain::ids::GrantId,
+        fact: GrantFact,
+    ) -> Result<(), sqlx::Error> {
+        let column = match fact {
+            GrantFact::Claimed => "claimed",
+            GrantFact::Ended => "ended",
+        };
+        let updated = sqlx::query(&format!("UPDATE grants SET {column} = true WHERE grant_id = $1"))
+            .bind(grant_id.as_uuid())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            sqlx::query(&format!(
+                "INSERT INTO early_grant_facts (grant_id, {column}) VALUES ($1, true) \
+                 ON CONFLICT (grant_id) DO UPDATE SET {column} = true"
+            ))
             .bind(grant_id.as_uuid())
             .execute(&mut *tx)
             .await?;
+        }
         Ok(())
     }
 

@@ -533,6 +533,7 @@ async fn upstream_requests_become_tasks_once_and_bad_ones_are_answered_with_thei
     assert_eq!(by_type("unknown-tenant").source_event_id.as_deref(), Some("t-4"));
     assert_eq!(by_type("invalid-record").original.0, b"\x00garbage");
     assert_eq!(by_type("unknown-source").source_event_id.as_deref(), Some("t-6"));
+    assert_eq!(by_type("unknown-source").tenant.as_deref(), Some("globex"), "the tenant it named");
     assert_eq!(answers.len(), 4);
 }
 

@@ -100,6 +100,7 @@ impl Handler for UpstreamRequests {
                 let event = Event::RequestRejected(RequestRejected {
                     source: Some(request.source.clone()),
                     source_event_id: Some(request.source_event_id.clone()),
+                    tenant: Some(request.tenant.clone()),
                     problem_type: refusal.problem_type.to_owned(),
                     reason: refusal.reason,
                     original: Bytes(record.value.clone()),
@@ -121,6 +122,7 @@ impl Handler for UpstreamRequests {
         let event = Event::RequestRejected(RequestRejected {
             source: None,
             source_event_id: None,
+            tenant: None,
             problem_type: "invalid-record".to_owned(),
             reason: rejected.reason.to_owned(),
             original: Bytes(rejected.value.unwrap_or_default().to_vec()),

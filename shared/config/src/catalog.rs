@@ -68,8 +68,10 @@ pub struct Capabilities {
     pub idempotency_keys: bool,
     #[serde(default)]
     pub lookup: bool,
-    #[serde(default)]
-    pub async_results: bool,
+    /// Accepted so existing catalogues keep loading, and ignored: the executor
+    /// polls any provider that answers `202`, whether or not it declared this.
+    #[serde(default, rename = "async_results")]
+    _async_results: bool,
 }
 
 /// One task kind: its steps in order and its limits.

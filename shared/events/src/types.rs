@@ -89,6 +89,9 @@ pub struct TaskRequest {
 pub struct RequestRejected {
     pub source: Option<String>,
     pub source_event_id: Option<String>,
+    /// The tenant the record named (v2); `None` for bytes that did not decode.
+    #[serde(default)]
+    pub tenant: Option<String>,
     pub problem_type: String,
     pub reason: String,
     pub original: Bytes,

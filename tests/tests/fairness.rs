@@ -171,3 +171,35 @@ async fn a_full_provider_does_not_hide_the_due_tasks_of_another() {
     }
     assert_eq!(granted_and_queued(&attempts), (1, 6), "the full provider granted beyond its one slot");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_of_a_kind_the_catalogue_no_longer_has_do_not_hold_up_their_tenants_queue() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let kind = |steps: serde_json::Value| json!({"steps": steps, "max_attempts": 4, "attempt_budget_ms": 60_000});
+    let render = json!([{"name": "render", "provider": "img"}]);
+    system.set_kinds(json!({"image.generate": kind(render.clone()), "image.gone": kind(render.clone())}));
+    system.spawn_all(None).await;
+    // More queued tasks of one kind than a round looks at, due in a few seconds…
+    let due = fenceline_events::Timestamp(fenceline_events::Timestamp::now().0 + 6_000_000);
+    system.submit_many_with("tenant-a", "image.gone", 40, |_, t| t.not_before = Some(due)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM scheduler.tasks WHERE kind = 'image.gone'")
+            .fetch_one(&system.pool)
+            .await
+            .expect("count");
+        if seen == 40 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the scheduler took in {seen} of 40");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // …and then the kind leaves the catalogue: the scheduler restarts without it.
+    system.set_kinds(json!({"image.generate": kind(render)}));
+    system.spawn("scheduler", "scheduler", &[]).await;
+    let later = fenceline_events::Timestamp(due.0 + 1_000_000);
+    let known = system
+        .submit_with("tenant-a", "image.generate", json!({"prompt": "a known kind"}), |t| t.not_before = Some(later))
+        .await;
+    system.wait_state(known, &["succeeded"], Duration::from_secs(30)).await;
+}

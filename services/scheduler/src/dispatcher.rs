@@ -44,6 +44,10 @@ enum Tried {
     Skipped,
 }
 
+/// How long a task that this instance's catalogue cannot grant waits before it is
+/// looked at again.
+const UNKNOWN_KIND_RETRY: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The dispatcher of one scheduler instance.
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
@@ -222,13 +226,26 @@ impl Dispatcher {
             tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).await.map_err(bus_error)?;
             return Ok(Tried::Skipped);
         }
-        let Some(kind) = self.catalog.kind(&row.kind) else {
-            return Ok(Tried::Skipped);
-        };
-        let Some(provider_name) = kind.slot_provider() else {
-            return Ok(Tried::Skipped);
-        };
-        let Some(provider) = self.catalog.provider(provider_name) else {
+        let known = self
+            .catalog
+            .kind(&row.kind)
+            .and_then(|kind| kind.slot_provider().map(|name| (kind, name)))
+            .and_then(|(kind, name)| self.catalog.provider(name).map(|provider| (kind, name, provider)));
+        let Some((kind, provider_name, provider)) = known else {
+            // Not grantable with this instance's catalogue (a kind or provider
+            // removed, or not deployed here yet): looked at again later, so that it
+            // never holds the head of its tenant's queue in every round.
+            warn!(
+                task_id = %row.task_id,
+                kind = %row.kind,
+                "the task's kind or its provider is not in this scheduler's catalogue; looked at again in {} s",
+                UNKNOWN_KIND_RETRY.as_secs()
+            );
+            sqlx::query("UPDATE tasks SET due_at_us = $2 WHERE task_id = $1")
+                .bind(task_id.as_uuid())
+                .bind(now + i64::try_from(UNKNOWN_KIND_RETRY.as_micros()).unwrap_or(i64::MAX / 4))
+                .execute(&mut *tx)
+                .await?;
             return Ok(Tried::Skipped);
         };
         // The provider's slots and bucket belong to one instance's round at a time;

@@ -113,6 +113,12 @@ impl Handler for UpstreamRequests {
         }
     }
 
+    /// Outside producers are answered, never waited for: a record in a schema
+    /// this build does not know is refused as `invalid-record`.
+    fn holds_newer_schemas(&self) -> bool {
+        false
+    }
+
     async fn reject(
         &self,
         tx: &mut PgConnection,

@@ -59,6 +59,10 @@ pub enum HandleError {
     /// batch is rolled back and tried again.
     #[error("database: {0}")]
     Transient(#[from] sqlx::Error),
+    /// A record this build cannot read yet (written with a newer schema): the batch
+    /// is tried again until a build that reads it is deployed; never dead-lettered.
+    #[error("held: {0}")]
+    Held(String),
     #[error(transparent)]
     Bus(#[from] Error),
 }
@@ -82,7 +86,7 @@ impl HandleError {
             HandleError::Transient(sqlx::Error::Database(db)) => {
                 db.code().is_some_and(|c| ["08", "40", "53", "55", "57", "58"].iter().any(|class| c.starts_with(class)))
             }
-            HandleError::Transient(_) => true,
+            HandleError::Transient(_) | HandleError::Held(_) => true,
             HandleError::Bus(Error::Database(sqlx::Error::Database(_))) => false,
             HandleError::Bus(Error::Database(_)) | HandleError::Bus(Error::Kafka(_)) => true,
             HandleError::Bus(Error::Injected(_)) => true,
@@ -121,6 +125,25 @@ pub trait Handler: Send + Sync + 'static {
         rejected: &Rejected<'_>,
     ) -> impl Future<Output = Result<(), HandleError>> + Send {
         dead_letter(tx, outbox, rejected)
+    }
+
+    /// Whether a record of a known type written with a schema this build does not
+    /// know (a newer producer) is held, retried until this consumer is upgraded,
+    /// rather than rejected. The default holds: between Fenceline's services a
+    /// producer deployed first must not lose events. A front door for outside
+    /// producers answers them instead, so that no outsider can stall it.
+    fn holds_newer_schemas(&self) -> bool {
+        true
+    }
+}
+
+/// What to do with a record that does not decode: hold it (retry later, with an
+/// ERROR) when it is a newer version of a known type and the handler holds those,
+/// else reject it with the reason.
+fn undecodable(error: &fenceline_events::DecodeError, holds_newer: bool) -> Result<String, HandleError> {
+    match error {
+        fenceline_events::DecodeError::NewerSchema { .. } if holds_newer => Err(HandleError::Held(error.to_string())),
+        other => Ok(other.to_string()),
     }
 }
 
@@ -798,7 +821,20 @@ impl<H: Handler> Processor<H> {
                 .map(|h| h.iter().map(|header| (header.key, header.value)).collect::<Vec<(&str, Option<&[u8]>)>>());
             match Envelope::decode(headers.unwrap_or_default(), message.payload().unwrap_or_default()) {
                 Ok(envelope) => decoded.push((message, envelope)),
-                Err(e) => self.dead_letter(tx, message, &e.to_string()).await?,
+                Err(e) => match undecodable(&e, self.handler.holds_newer_schemas()) {
+                    Ok(reason) => self.dead_letter(tx, message, &reason).await?,
+                    Err(held) => {
+                        // A person must act: upgrade this consumer (docs/wire.md, "Deploy order").
+                        error!(
+                            topic,
+                            partition,
+                            offset = message.offset(),
+                            error = %e,
+                            "holding a record this build cannot read yet; the partition waits for an upgrade"
+                        );
+                        return Err(held);
+                    }
+                },
             }
         }
         // One round trip dedupes the whole batch.
@@ -896,5 +932,57 @@ impl<H: Handler> Processor<H> {
         self.handler.reject(tx, &self.outbox, &rejected).await?;
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fenceline_domain::ids::TaskId;
+    use fenceline_events::{CancelRequested, Envelope, Event, Timestamp, encode_record};
+
+    use super::*;
+
+    /// A record as a producer with a newer `CancelRequested` schema writes it: the
+    /// same bytes under a fingerprint this build does not know, named in the headers.
+    fn newer_record(header_says_newer: bool) -> (Vec<u8>, Vec<(&'static str, String)>) {
+        let event = Event::CancelRequested(CancelRequested {
+            task_id: TaskId::new_v7(),
+            tenant: "acme".into(),
+            requested_by: "tenant:acme".into(),
+            requested_at: Timestamp(1),
+        });
+        let (mut value, mut headers) = encode_record(&event, "intake").expect("encode");
+        value[2..10].copy_from_slice(&[0xAB; 8]);
+        if header_says_newer {
+            headers.schema_fingerprint = "abababababababab".into();
+        }
+        (value, headers.to_pairs())
+    }
+
+    fn decoded(value: &[u8], pairs: &[(&'static str, String)]) -> fenceline_events::DecodeError {
+        let headers = pairs.iter().map(|(k, v)| (*k, Some(v.as_bytes())));
+        Envelope::decode(headers, value).expect_err("not readable by this build")
+    }
+
+    #[test]
+    fn a_record_from_a_newer_producer_is_held_and_retried_never_dead_lettered() {
+        let (value, pairs) = newer_record(true);
+        let e = decoded(&value, &pairs);
+        let held = undecodable(&e, true).expect_err("held");
+        assert!(matches!(held, HandleError::Held(_)), "{held}");
+        assert!(held.passing(), "retried with backoff, never condemned as poison");
+        assert!(held.to_string().contains("abababababababab"), "names the fingerprint: {held}");
+        assert!(held.to_string().contains("CancelRequested"), "{held}");
+    }
+
+    #[test]
+    fn a_front_door_and_a_record_whose_headers_disagree_still_reject() {
+        let (value, pairs) = newer_record(true);
+        let reason = undecodable(&decoded(&value, &pairs), false).expect("rejected by a front door");
+        assert!(reason.contains("abababababababab"), "{reason}");
+        // The headers name the known fingerprint, the value another: a broken record.
+        let (value, pairs) = newer_record(false);
+        let reason = undecodable(&decoded(&value, &pairs), true).expect("rejected");
+        assert_eq!(reason, "unknown schema fingerprint abababababababab");
     }
 }

@@ -39,6 +39,14 @@ pub enum DecodeError {
     NotSingleObject(&'static str),
     #[error("unknown schema fingerprint {0}")]
     UnknownSchema(String),
+    /// A record of a type this build knows, written (its headers and value agree)
+    /// with a schema it does not know yet: most likely a producer deployed before
+    /// this consumer. Not the record's fault; it reads once this build is upgraded.
+    #[error(
+        "{event_type} written with schema fingerprint {fingerprint}, which this build does not know \
+         (a newer producer? deploy consumers first, docs/wire.md)"
+    )]
+    NewerSchema { event_type: String, fingerprint: String },
     #[error("value does not match its writer schema {event_type}: {reason}")]
     Malformed { event_type: &'static str, reason: String },
     #[error("header says {header} but the value is a {payload}")]
@@ -183,7 +191,17 @@ impl Envelope {
         value: &[u8],
     ) -> Result<Self, DecodeError> {
         let headers = Headers::from_pairs(headers)?;
-        let event = decode(value)?;
+        let event = match decode(value) {
+            // The headers name a type this build knows and the fingerprint the value
+            // carries: a newer version of it, not a broken record.
+            Err(DecodeError::UnknownSchema(fingerprint))
+                if headers.schema_fingerprint.eq_ignore_ascii_case(&fingerprint)
+                    && registry().current(&headers.event_type).is_some() =>
+            {
+                return Err(DecodeError::NewerSchema { event_type: headers.event_type, fingerprint });
+            }
+            other => other?,
+        };
         if headers.event_type != event.event_type() {
             return Err(DecodeError::TypeMismatch { header: headers.event_type, payload: event.event_type() });
         }

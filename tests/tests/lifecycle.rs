@@ -408,3 +408,24 @@ async fn a_cancel_heard_before_its_task_is_kept_and_cancels_the_task_when_it_arr
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(system.provider("img").calls().await.is_empty(), "a cancelled task makes no call");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_after_an_approval_takes_a_slot_of_the_provider_it_calls() {
+    let mut system = System::new(&[("llm", Caps::default()), ("pay", Caps::default())]).await;
+    // One llm call at a time, and that one slot is about to be held for long.
+    system.set_provider_limits("llm", 1, 50.0, 50.0);
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "ticket.triage", json!({"ticket": "refund please"})).await;
+    system.wait_state(task, &["awaiting_approval"], LONG).await;
+
+    // Another task's draft now holds the only llm slot for 30 s.
+    system.provider("llm").rule(json!({"latency_ms": 30_000})).await;
+    let busy = system.submit("acme", "ticket.triage", json!({"ticket": "slow"})).await;
+    system.wait_state(busy, &["running"], LONG).await;
+
+    // The refund calls only `pay`: it needs no llm slot and runs at once, well before
+    // the held call's 10 s timeout would free the llm slot.
+    signal(&system, task, "refund_approved", "approval-1").await;
+    system.wait_state(task, &["succeeded"], Duration::from_secs(7)).await;
+    assert_eq!(system.provider("pay").charges().await, 1);
+}

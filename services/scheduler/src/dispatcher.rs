@@ -229,7 +229,9 @@ impl Dispatcher {
         let known = self
             .catalog
             .kind(&row.kind)
-            .and_then(|kind| kind.slot_provider().map(|name| (kind, name)))
+            .and_then(|kind| {
+                kind.slot_provider_after(row.lifecycle.resume_after_step.as_deref()).map(|name| (kind, name))
+            })
             .and_then(|(kind, name)| self.catalog.provider(name).map(|provider| (kind, name, provider)));
         let Some((kind, provider_name, provider)) = known else {
             // Not grantable with this instance's catalogue (a kind or provider

@@ -80,7 +80,7 @@ impl LifecycleEvents {
             pending_step: None,
         };
         outbox.append(tx, topics::STATUS, None, &tasks::status_of(&row, &task, 1, now)).await?;
-        tasks::save(tx, self.ctx(outbox), e.task_id, &task, 1).await?;
+        tasks::save(tx, self.ctx(outbox), e.task_id, &e.kind, &task, 1).await?;
         for input in early {
             let Some(row) = tasks::lock(tx, e.task_id).await? else { break };
             tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;

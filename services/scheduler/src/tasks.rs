@@ -108,7 +108,7 @@ pub async fn apply(
         let status = status_of(row, &transition.task, version, now);
         ctx.outbox.append(tx, topics::STATUS, None, &status).await?;
     }
-    save(tx, ctx, row.task_id, &transition.task, version).await?;
+    save(tx, ctx, row.task_id, &row.kind, &transition.task, version).await?;
     Ok(transition.task)
 }
 
@@ -117,23 +117,28 @@ pub async fn save(
     tx: &mut PgConnection,
     ctx: Context<'_>,
     task_id: TaskId,
+    kind: &str,
     task: &Task,
     version: i64,
 ) -> Result<(), sqlx::Error> {
+    // The provider column is the one the task's next attempt takes a slot of: the
+    // dispatcher passes over the tasks of full providers by it.
+    let provider = ctx.catalog.kind(kind).and_then(|k| k.slot_provider_after(task.resume_after_step.as_deref()));
     // The deadline is a timer too: a waiting task comes due at its deadline at the latest.
     let due = match (task.due_at, task.deadline) {
         (Some(due), Some(deadline)) => Some(due.min(deadline)),
         (due, _) => due,
     };
     sqlx::query(
-        "UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, updated_at = now() \
-         WHERE task_id = $1",
+        "UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, \
+         provider = coalesce($6, provider), updated_at = now() WHERE task_id = $1",
     )
     .bind(task_id.as_uuid())
     .bind(sqlx::types::Json(task))
     .bind(task.state.as_str())
     .bind(due)
     .bind(version)
+    .bind(provider)
     .execute(&mut *tx)
     .await?;
     if due.is_some() {
@@ -153,7 +158,8 @@ async fn carry_out(
     match effect {
         Effect::Dispatch { grant_id, attempt, generation, resume_after_step } => {
             let kind = ctx.catalog.kind(&row.kind);
-            let provider = kind.and_then(|k| k.slot_provider()).unwrap_or_default().to_owned();
+            let provider =
+                kind.and_then(|k| k.slot_provider_after(resume_after_step.as_deref())).unwrap_or_default().to_owned();
             let budget = kind.map_or(60_000, |k| k.attempt_budget_ms);
             // A slot whose end is never heard expires after twice the attempt budget.
             let expires = now + i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);

@@ -151,7 +151,17 @@ impl KindSpec {
 
     /// The provider whose slot an attempt of this kind takes: its first call step's.
     pub fn slot_provider(&self) -> Option<&str> {
-        self.steps.iter().find_map(|s| s.call().map(|(provider, _)| provider))
+        self.slot_provider_after(None)
+    }
+
+    /// The provider whose slot an attempt that resumes after step `after` takes: the
+    /// first call step it will make. An attempt after an approval that only refunds
+    /// takes a slot of the payment provider, not of the one that drafted.
+    pub fn slot_provider_after(&self, after: Option<&str>) -> Option<&str> {
+        self.steps[self.step_index_after(after).min(self.steps.len())..]
+            .iter()
+            .find_map(|s| s.call().map(|(provider, _)| provider))
+            .or_else(|| self.steps.iter().find_map(|s| s.call().map(|(provider, _)| provider)))
     }
 
     /// The step that follows `after` (the first step when `None`).

@@ -413,7 +413,10 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let submitting = tokio::spawn(client(system.url_of("intake"), tokens.clone(), plan));
     let mut figures = Figures::default();
     let (broker_at, postgres_at) = (plan.chaos.mul_f64(0.4), plan.chaos.mul_f64(0.7));
-    while started.elapsed() < plan.chaos {
+    // At least five service faults, however slowly a loaded machine restarts them:
+    // the window stretches (to three times its length at most) until they happened.
+    let faults = |f: &Figures| f.kills.values().sum::<usize>() + f.crashes.values().sum::<usize>();
+    while started.elapsed() < plan.chaos || (faults(&figures) < 5 && started.elapsed() < plan.chaos * 3) {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2_000..5_000))).await;
         revive(&mut system, &mut figures).await;
         if figures.broker_restarts == 0 && started.elapsed() >= broker_at {

@@ -470,6 +470,29 @@ impl System {
         }
     }
 
+    /// Waits until an executor's call intent is on the broker and its relay's round is
+    /// over, before a test stops the executor's process: a relay stopped in the middle
+    /// of a round keeps its shard until it runs again (docs/decisions.md), and the
+    /// tests that stop a worker test the reconciler, not that.
+    pub async fn wait_intent_published(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let published: bool = sqlx::query_scalar(
+                "SELECT count(*) > 0 FROM executor.outbox \
+                 WHERE event_type = 'CallIntentRecorded' AND published_at IS NOT NULL",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(false);
+            if published {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "no call intent was published:\n{}", self.logs());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
     /// How many log lines of every service process so far, running or replaced,
     /// contain `needle`.
     pub fn count_lines(&self, needle: &str) -> usize {

@@ -129,7 +129,7 @@ async fn a_stale_workers_definite_answer_cannot_change_the_key_the_next_try_uses
     let task = system.submit("acme", "image.generate", json!({"prompt": "a green shoe"})).await;
 
     wait_phase(&system, task, "call_intent").await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    system.wait_intent_published(Duration::from_secs(30)).await;
     system.service("executor-a").signal("STOP");
     // B takes the expired lease over at `call_intent`: lost; the provider dedupes,
     // so the retry carries the same key and does the work.

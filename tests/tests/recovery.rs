@@ -17,6 +17,17 @@ async fn calls(system: &System, provider: &str) -> (usize, usize) {
     (p.charges().await, p.calls().await.len())
 }
 
+/// Waits until the provider logged the call and the executor's call intent is
+/// published (`System::wait_intent_published`).
+async fn wait_until_the_call_left(system: &System) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    system.wait_intent_published(LONG).await;
+}
+
 /// Submits an image task through intake's API with an idempotency key.
 async fn submit_through_intake(intake: &str, token: &str) -> fenceline_domain::ids::TaskId {
     let url = format!("{intake}/v1/tasks");
@@ -155,11 +166,7 @@ async fn a_stale_worker_returning_after_a_takeover_is_fenced_and_the_call_log_ag
     let task = system.submit("acme", "image.generate", json!({"prompt": "a green shoe"})).await;
 
     // Wait for the call to leave, then stop the worker's process as a long pause would.
-    let deadline = tokio::time::Instant::now() + LONG;
-    while system.provider("img").calls().await.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until_the_call_left(&system).await;
     system.service("executor-a").signal("STOP");
     system.spawn("executor-b", "executor", &[]).await;
 
@@ -262,20 +269,7 @@ async fn a_look_up_before_a_stale_request_registers_is_not_taken_as_never_receiv
 
     // The call left; the worker is stopped as a long pause would, and another
     // executor takes its lease over and reports the attempt lost at `call_intent`.
-    let deadline = tokio::time::Instant::now() + LONG;
-    loop {
-        let phase: Option<String> = sqlx::query_scalar("SELECT phase FROM executor.executions WHERE task_id = $1")
-            .bind(task.as_uuid())
-            .fetch_optional(&system.pool)
-            .await
-            .unwrap_or(None);
-        if phase.as_deref() == Some("call_intent") {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    system.wait_intent_published(LONG).await;
     system.service("executor-a").signal("STOP");
     system.spawn("executor-b", "executor", &[]).await;
 
@@ -332,22 +326,7 @@ async fn a_look_up_that_finds_the_work_still_running_at_the_deadline_waits_for_i
     let task = system
         .submit_with("acme", "image.generate", json!({"prompt": "a slow shoe"}), |t| t.deadline = Some(deadline))
         .await;
-    // Stopped once the call left and its intent is on the broker: a relay stopped in
-    // the middle of a round keeps its shard until it runs again (docs/decisions.md).
-    let wait = tokio::time::Instant::now() + LONG;
-    loop {
-        let intent_published: bool = sqlx::query_scalar(
-            "SELECT count(*) > 0 FROM executor.outbox WHERE event_type = 'CallIntentRecorded' AND published_at IS NOT NULL",
-        )
-        .fetch_one(&system.pool)
-        .await
-        .unwrap_or(false);
-        if intent_published && !system.provider("img").calls().await.is_empty() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < wait, "the call never left:\n{}", system.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until_the_call_left(&system).await;
     system.service("executor-a").signal("STOP");
     system.spawn("executor-b", "executor", &[]).await;
 

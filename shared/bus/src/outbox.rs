@@ -311,6 +311,17 @@ impl Relay {
         let mut published = 0;
         for i in 0..shards {
             let shard = ((start + i) % shards) as i32;
+            // Only a shard with rows waiting is locked: an idle round holds no lock, so
+            // a relay paused between rounds (a long GC, a stopped VM) blocks no shard.
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE shard = $1 AND published_at IS NULL AND refused_at IS NULL)",
+            )
+            .bind(shard as i16)
+            .fetch_one(&self.pool)
+            .await?;
+            if !waiting {
+                continue;
+            }
             let locked: bool = sqlx::query_scalar(&format!("SELECT pg_try_advisory_lock({SHARD_LOCK})"))
                 .bind(shard)
                 .fetch_one(&mut *lock_conn)

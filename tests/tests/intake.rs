@@ -784,7 +784,16 @@ async fn tasks_are_listed_newest_first_with_filters_and_a_stable_cursor() {
     assert_eq!(page_ids(&odd), vec![ids[3].clone(), ids[1].clone()]);
     let none = call("GET", format!("{url}?state=succeeded"), token.clone(), None, None).await;
     assert_eq!(page_ids(&none), Vec::<String>::new());
-    for bad in ["state=done", "limit=0", "cursor=xyz", "label=nocolon", "since=yesterday", "colour=red"] {
+    for bad in [
+        "state=done",
+        "limit=0",
+        "cursor=xyz",
+        "label=nocolon",
+        "since=yesterday",
+        "colour=red",
+        "kind=%25P%40%00S%28",
+        "label=a:b%00",
+    ] {
         let answer = call("GET", format!("{url}?{bad}"), token.clone(), None, None).await;
         assert_eq!((answer.status, answer.body["type"].as_str()), (400, Some("/problems/invalid-request")), "{bad}");
     }

@@ -807,6 +807,12 @@ pub struct Page {
 /// Lists the tenant's tasks, newest first, by keyset pagination on the task id
 /// (UUIDv7, so creation order): pages stay stable while new tasks arrive.
 pub async fn list(pool: &PgPool, tenant: &Tenant, query: ListQuery) -> Result<Page, ApiError> {
+    // Postgres cannot compare text holding a NUL character: refused here, not a 500.
+    for (name, value) in [("kind", &query.kind), ("label", &query.label)] {
+        if value.as_deref().is_some_and(|v| v.contains('\0')) {
+            return Err(nul_refused(name));
+        }
+    }
     if let Some(state) = &query.state {
         state.parse::<TaskState>().map_err(|e| ApiError::InvalidRequest(format!("state: {e}")))?;
     }

@@ -160,38 +160,26 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
 
     let retention = config.intake.idempotency_retention_hours;
     let task_retention = Duration::from_secs(u64::from(config.intake.task_retention_days) * 86_400);
-    let shutdown = app.base.shutdown.child_token();
-    app.base.spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(300));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {
-                    match tasks::purge_idempotency_keys(&pool, retention).await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(purged = n, "expired idempotency keys purged"),
-                        Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
-                    }
-                    match tasks::purge_finished_tasks(&pool, task_retention, 500).await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
-                        Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
-                    }
-                }
+    app.base.spawn_every(Duration::from_secs(300), move || {
+        let pool = pool.clone();
+        async move {
+            match tasks::purge_idempotency_keys(&pool, retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "expired idempotency keys purged"),
+                Err(e) => tracing::warn!(error = %e, "purging idempotency keys failed"),
+            }
+            match tasks::purge_finished_tasks(&pool, task_retention, 500).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
             }
         }
     });
     let pool = app.base.database.pool.clone();
     let after = config.intake.unscheduled_after();
-    let shutdown = app.base.shutdown.child_token();
-    app.base.spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(60));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => report_unscheduled(&pool, after).await,
-            }
-        }
+    app.base.spawn_every(Duration::from_secs(60), move || {
+        let pool = pool.clone();
+        async move { report_unscheduled(&pool, after).await }
     });
     Ok(app)
 }

@@ -220,34 +220,25 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let pool = app.base.database.pool.clone();
     let audit_settings = reconciler.settings.clone();
     app.base.spawn(reconciler.run(shutdown));
-    let shutdown = app.base.shutdown.child_token();
-    app.base.spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_millis(audit_settings.audit_every_ms.max(100)));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {
-                    let no_progress = Duration::from_millis(audit_settings.no_progress_ms);
-                    if let Err(e) = audit::run(&pool, no_progress, audit_settings.audit_grace()).await {
-                        tracing::warn!(error = %e, "the audit failed; trying again at the next round");
-                    }
-                }
+    let no_progress = Duration::from_millis(audit_settings.no_progress_ms);
+    let grace = audit_settings.audit_grace();
+    app.base.spawn_every(Duration::from_millis(audit_settings.audit_every_ms.max(100)), move || {
+        let pool = pool.clone();
+        async move {
+            if let Err(e) = audit::run(&pool, no_progress, grace).await {
+                tracing::warn!(error = %e, "the audit failed; trying again at the next round");
             }
         }
     });
-    let shutdown = app.base.shutdown.child_token();
     let pool = app.base.database.pool.clone();
     let retention = Duration::from_secs(u64::from(reconciler_retention_days) * 86_400);
-    app.base.spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(300));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => match audit::purge_finished(&pool, retention, 500).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
-                    Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
-                },
+    app.base.spawn_every(Duration::from_secs(300), move || {
+        let pool = pool.clone();
+        async move {
+            match audit::purge_finished(&pool, retention, 500).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
             }
         }
     });

@@ -84,31 +84,25 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let shutdown = app.base.shutdown.child_token();
     app.base.spawn(dispatcher.run(shutdown));
     let pool = app.base.database.pool.clone();
-    let shutdown = app.base.shutdown.child_token();
-    app.base.spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(60));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {
-                    let now = fenceline_events::Timestamp::now().0;
-                    match sqlx::query("DELETE FROM slots WHERE expires_at_us < $1").bind(now).execute(&pool).await {
-                        Ok(r) if r.rows_affected() > 0 => {
-                            tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(error = %e, "expiring slots failed"),
-                    }
-                    // A request kept for a task that never arrived outlives the consumer's dedup window no longer.
-                    let purge = "DELETE FROM early_requests WHERE received_at < now() - interval '7 days'";
-                    match sqlx::query(purge).execute(&pool).await {
-                        Ok(r) if r.rows_affected() > 0 => {
-                            tracing::warn!(purged = r.rows_affected(), "requests for tasks that never arrived purged");
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(error = %e, "purging early requests failed"),
-                    }
+    app.base.spawn_every(Duration::from_secs(60), move || {
+        let pool = pool.clone();
+        async move {
+            let now = fenceline_events::Timestamp::now().0;
+            match sqlx::query("DELETE FROM slots WHERE expires_at_us < $1").bind(now).execute(&pool).await {
+                Ok(r) if r.rows_affected() > 0 => {
+                    tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");
                 }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "expiring slots failed"),
+            }
+            // A request kept for a task that never arrived outlives the consumer's dedup window no longer.
+            let purge = "DELETE FROM early_requests WHERE received_at < now() - interval '7 days'";
+            match sqlx::query(purge).execute(&pool).await {
+                Ok(r) if r.rows_affected() > 0 => {
+                    tracing::warn!(purged = r.rows_affected(), "requests for tasks that never arrived purged");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "purging early requests failed"),
             }
         }
     });

@@ -145,6 +145,25 @@ impl Base {
         self.tasks.push(tokio::spawn(task));
     }
 
+    /// Runs `work` every `period` (the first time at once) until the service stops:
+    /// purges, expiries, reports.
+    pub fn spawn_every<F, Fut>(&mut self, period: std::time::Duration, mut work: F)
+    where
+        F: FnMut() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        let shutdown = self.shutdown.child_token();
+        self.spawn(async move {
+            let mut every = tokio::time::interval(period);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = every.tick() => work().await,
+                }
+            }
+        });
+    }
+
     /// Stops in order: not ready, stop the HTTP server, cancel the background work
     /// and wait for it within `grace`, then stop the relay after a last round (what
     /// the draining work wrote is published), close the pool.

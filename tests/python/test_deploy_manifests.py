@@ -13,7 +13,6 @@ import shlex
 import subprocess
 
 import kubernetes_validate
-import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -393,7 +392,8 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas():
         try:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{source}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}")
+            problem = f"{source}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}"
+            raise AssertionError(problem) from None
         checked += 1
     assert checked >= 20, f"only {checked} objects validated"
 
@@ -557,7 +557,8 @@ def test_every_consuming_service_scales_on_the_lag_of_its_real_groups():
         so = scalers[name]
         assert "replicas" not in deployment["spec"], f"{name}: replicas belong to the ScaledObject's HPA"
         kafka = [t for t in so["spec"]["triggers"] if t["type"] == "kafka"]
-        assert {(t["metadata"]["consumerGroup"], t["metadata"]["topic"]) for t in kafka} == groups, name
+        scaled = {(t["metadata"]["consumerGroup"], t["metadata"]["topic"]) for t in kafka}
+        assert scaled == groups, f"{name} scales on {sorted(scaled - groups)}, not on {sorted(groups - scaled)}"
         for trigger in kafka:
             assert trigger["metadata"]["bootstrapServers"] == kafka_settings()["FENCELINE_KAFKA_BROKERS"]
             assert trigger["metadata"]["offsetResetPolicy"] == "earliest", "the consumers start at the earliest"

@@ -11,6 +11,7 @@ import pathlib
 import re
 import shlex
 import subprocess
+import sys
 
 import kubernetes_validate
 import yaml
@@ -597,6 +598,16 @@ def test_only_intake_takes_traffic_from_outside_the_namespace():
             if outside:
                 assert chosen == {"intake"}, f"{policy['metadata']['name']} opens {sorted(chosen)} to outside"
             assert all(p["port"] == "http" for p in rule["ports"]), "only the HTTP port"
+
+
+def test_the_compose_file_is_valid_against_the_compose_specification():
+    """The Compose Specification's schema, as check-jsonschema ships it."""
+    checked = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_the_compose_file_runs_the_same_image_with_variables_the_binaries_read():

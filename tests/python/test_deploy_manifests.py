@@ -22,6 +22,7 @@ COMPOSE = ROOT / "deploy" / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 KUBERNETES_VERSION = "1.33"
 KEDA_MODELS_VERSION = "2.0.0"
+KUSTOMIZE_VERSION = "5.7.1"
 
 # The binaries a production deployment runs, and the service each one is.
 SERVICE_BINARIES = {
@@ -203,42 +204,38 @@ def kustomization():
     return yaml.safe_load((K8S / "kustomization.yaml").read_text())
 
 
-@functools.cache
-def generated_config_maps():
-    """The ConfigMaps kustomization.yaml generates, by name: {key: value}."""
-    maps = {}
-    for generator in kustomization().get("configMapGenerator", []):
-        data = {}
-        for env_file in generator.get("envs", []):
-            data.update(read_env_file(K8S / env_file))
-        for file in generator.get("files", []):
-            key, _, source = file.partition("=")
-            data[key if source else pathlib.Path(file).name] = (K8S / (source or file)).read_text()
-        data.update(dict(item.split("=", 1) for item in generator.get("literals", [])))
-        maps[generator["name"]] = data
-    return maps
-
-
-def kafka_settings():
-    return generated_config_maps()["fenceline-kafka"]
+def kustomize_binary():
+    default = pathlib.Path(os.environ.get("FENCELINE_CACHE_DIR", pathlib.Path.home() / ".cache" / "fenceline"))
+    path = pathlib.Path(os.environ.get("FENCELINE_KUSTOMIZE", default / f"kustomize-{KUSTOMIZE_VERSION}" / "bin" / "kustomize"))
+    assert path.is_file(), f"kustomize is not installed at {path}: `deploy/local/stack test` builds it"
+    return path
 
 
 @functools.cache
 def manifests():
-    """Every object of the kustomization (its resources and generated ConfigMaps) and of
-    secrets.example.yaml, as (source, object)."""
-    objects = []
-    for resource in kustomization()["resources"]:
-        for doc in yaml.safe_load_all((K8S / resource).read_text()):
-            if doc:
-                objects.append((resource, doc))
-    for name, data in generated_config_maps().items():
-        objects.append(
-            ("configMapGenerator", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data})
-        )
+    """Every object `kustomize build deploy/k8s` makes (what `kubectl apply -k` applies)
+    and those of secrets.example.yaml, as (source, object)."""
+    built = subprocess.run([str(kustomize_binary()), "build", str(K8S)], capture_output=True, text=True)
+    assert built.returncode == 0, f"kustomize build deploy/k8s: {built.stderr}"
+    objects = [("kustomize build", doc) for doc in yaml.safe_load_all(built.stdout) if doc]
     for doc in yaml.safe_load_all((K8S / "secrets.example.yaml").read_text()):
         objects.append(("secrets.example.yaml", doc))
     return objects
+
+
+def config_maps():
+    return {name: doc.get("data", {}) for name, doc in by_name("ConfigMap").items()}
+
+
+def generated_config_map(generator):
+    """The data of the ConfigMap a configMapGenerator made (its name carries a hash)."""
+    found = [data for name, data in config_maps().items() if re.fullmatch(rf"{re.escape(generator)}-[a-z0-9]{{10}}", name)]
+    assert len(found) == 1, f"kustomize made {len(found)} ConfigMaps from the generator {generator}"
+    return found[0]
+
+
+def kafka_settings():
+    return generated_config_map("fenceline-kafka")
 
 
 def of_kind(kind):
@@ -333,7 +330,7 @@ def http_port(addr):
 
 def k8s_containers():
     """(deployment, container, environment, mounts) for every container and init container."""
-    maps = generated_config_maps()
+    maps = config_maps()
     for deployment in of_kind("Deployment"):
         spec = deployment["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
@@ -450,9 +447,10 @@ def test_the_kustomization_lists_every_file_and_only_existing_ones():
         listed.update(f.partition("=")[2] or f for f in generator.get("files", []))
     present = {p.name for p in K8S.iterdir()} - {"kustomization.yaml", "secrets.example.yaml"}
     assert listed == present
-    images = {i["name"] for i in kustomization()["images"]}
+    images = {f"{i['newName']}:{i['newTag']}" for i in kustomization()["images"]}
     for deployment, container, _, _ in k8s_containers():
-        assert container["image"] in images, f"{container['name']}: image {container['image']} is not in images:"
+        assert container["image"] in images, f"{container['name']}: image {container['image']} is not the kustomization's"
+    assert {d["metadata"].get("namespace") for _, d in manifests() if d["kind"] != "Namespace"} == {"fenceline"}
 
 
 def check_environment(where, binary, env, stage):
@@ -549,7 +547,7 @@ def test_every_consuming_service_scales_on_the_lag_of_its_real_groups():
     scalers = {so["spec"]["scaleTargetRef"]["name"]: so for so in of_kind("ScaledObject")}
     deployments = by_name("Deployment")
     auths = by_name("TriggerAuthentication")
-    partitions = int(generated_config_maps()["fenceline-topics"]["FENCELINE_PARTITIONS"])
+    partitions = int(generated_config_map("fenceline-topics")["FENCELINE_PARTITIONS"])
     for name, deployment in deployments.items():
         service = SERVICE_BINARIES[deployment["spec"]["template"]["spec"]["containers"][0]["command"][0]]
         groups = consumer_groups(service)

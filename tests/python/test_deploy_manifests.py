@@ -204,9 +204,14 @@ def kustomization():
     return yaml.safe_load((K8S / "kustomization.yaml").read_text())
 
 
+def cache_dir():
+    """Where the stack script installs the test's tools (FENCELINE_CACHE_DIR)."""
+    return pathlib.Path(os.environ.get("FENCELINE_CACHE_DIR", pathlib.Path.home() / ".cache" / "fenceline"))
+
+
 def kustomize_binary():
-    default = pathlib.Path(os.environ.get("FENCELINE_CACHE_DIR", pathlib.Path.home() / ".cache" / "fenceline"))
-    path = pathlib.Path(os.environ.get("FENCELINE_KUSTOMIZE", default / f"kustomize-{KUSTOMIZE_VERSION}" / "bin" / "kustomize"))
+    built = cache_dir() / f"kustomize-{KUSTOMIZE_VERSION}" / "bin" / "kustomize"
+    path = pathlib.Path(os.environ.get("FENCELINE_KUSTOMIZE", built))
     assert path.is_file(), f"kustomize is not installed at {path}: `deploy/local/stack test` builds it"
     return path
 
@@ -397,8 +402,7 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas():
 
 
 def keda_models_dir():
-    default = pathlib.Path(os.environ.get("FENCELINE_CACHE_DIR", pathlib.Path.home() / ".cache" / "fenceline"))
-    return pathlib.Path(os.environ.get("FENCELINE_KEDA_MODELS", default / f"keda-models-{KEDA_MODELS_VERSION}"))
+    return pathlib.Path(os.environ.get("FENCELINE_KEDA_MODELS", cache_dir() / f"keda-models-{KEDA_MODELS_VERSION}"))
 
 
 KEDA_VALIDATE = """
@@ -487,6 +491,14 @@ def test_every_container_sets_only_variables_its_binary_reads_and_all_it_require
             if ref:
                 assert ref["key"] in secret_keys().get(ref["name"], set()), f"{where}: no Secret {ref['name']}/{ref['key']}"
     assert seen == set(SERVICE_BINARIES) | {ADMIN_BINARY}
+
+
+def test_intake_accepts_only_kinds_the_catalogue_declares():
+    catalog = json.loads((K8S / "catalog.json").read_text())
+    for deployment, container, env, _ in k8s_containers():
+        if container["command"][0] == "fenceline-intake":
+            kinds = set(env["FENCELINE_INTAKE_KINDS"].split(","))
+            assert kinds <= set(catalog["kinds"]), f"intake accepts {sorted(kinds - set(catalog['kinds']))}, which nothing runs"
 
 
 def test_ports_and_probes_are_the_ones_the_services_serve():

@@ -75,6 +75,52 @@ async fn exchange(
     .map_err(|e| e.to_string())?
 }
 
+/// What intake answered a submission.
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    pub status: u16,
+    /// `Idempotent-Replayed: true`: the key was seen before.
+    pub replayed: bool,
+    pub body: Value,
+}
+
+impl Submitted {
+    pub fn task_id(&self) -> Option<&str> {
+        self.body["task_id"].as_str()
+    }
+}
+
+/// Submits a task through intake's API as a client would (`POST /v1/tasks` with a
+/// bearer token and an `Idempotency-Key`), blocking.
+pub fn submit_over_api(
+    agent: &ureq::Agent,
+    intake: &str,
+    token: &str,
+    key: &str,
+    body: &Value,
+) -> Result<Submitted, String> {
+    let mut response = agent
+        .post(&format!("{intake}/v1/tasks"))
+        .header("Authorization", &format!("Bearer {token}"))
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .map_err(|e| e.to_string())?;
+    let replayed = response.headers().get("Idempotent-Replayed").is_some_and(|v| v == "true");
+    let status = response.status().as_u16();
+    let text = response.body_mut().read_to_string().unwrap_or_default();
+    Ok(Submitted { status, replayed, body: serde_json::from_str(&text).unwrap_or(Value::Null) })
+}
+
+/// An HTTP client that hands every status to the caller, with a 10 s limit per exchange.
+pub fn api_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .new_agent()
+}
+
 /// A fake provider process and its controls.
 #[derive(Debug)]
 pub struct FakeProvider {
@@ -334,6 +380,44 @@ impl System {
         self.spawn("executor", "executor", &faults).await;
     }
 
+    /// Starts `count` instances of every service (intake, scheduler, executor,
+    /// reconciler), named `<service>-1` .. `<service>-<count>`, each with `extra`
+    /// beside the system's settings; returns their ids. Instances of a service join
+    /// one consumer group and share its partitions, as replicas behind one address
+    /// would.
+    pub async fn spawn_instances(&mut self, count: usize, extra: &[(&'static str, String)]) -> Vec<(String, String)> {
+        let mut ids = Vec::new();
+        for service in ["intake", "scheduler", "executor", "reconciler"] {
+            for n in 1..=count {
+                let id = format!("{service}-{n}");
+                self.spawn(&id, service, extra).await;
+                ids.push((id, service.to_owned()));
+            }
+        }
+        ids
+    }
+
+    /// Stops the service process `id` (SIGTERM: it drains and leaves its consumer
+    /// group; SIGKILL: it vanishes mid-work) and waits until it exited; returns how
+    /// long that took. [`System::spawn`] with the same id starts it again at the
+    /// same address.
+    pub async fn stop(&mut self, id: &str, how: Stop) -> Duration {
+        let mut proc = self.services.remove(id).unwrap_or_else(|| panic!("no service {id}"));
+        let started = tokio::time::Instant::now();
+        match how {
+            Stop::Term => {
+                proc.signal("TERM");
+                if proc.wait_exit(Duration::from_secs(30)).await.is_none() {
+                    panic!("{id} did not exit within 30 s of SIGTERM:\n{}", proc.all_lines());
+                }
+            }
+            Stop::Kill => proc.kill(),
+        }
+        let took = started.elapsed();
+        self.retired.push((id.to_owned(), proc));
+        took
+    }
+
     pub fn service(&mut self, id: &str) -> &mut Proc {
         self.services.get_mut(id).unwrap_or_else(|| panic!("no service {id}"))
     }
@@ -520,6 +604,15 @@ impl Drop for System {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// How [`System::stop`] stops a service process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGTERM: the ordered shutdown (drain, leave the group, close the pool).
+    Term,
+    /// SIGKILL: a crash.
+    Kill,
 }
 
 /// Whether a process may exit before it reports ready.

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use fenceline_domain::ids::TaskId;
 use fenceline_events::{Event, Timestamp, topics};
-use fenceline_tests::system::{Caps, System};
+use fenceline_tests::system::{Caps, System, api_agent, submit_over_api};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -112,23 +112,8 @@ struct Figures {
 
 /// One submission through intake's API: (status, replayed, task id).
 fn submit(intake: &str, token: &str, key: &str, body: &Value) -> Result<(u16, bool, Option<String>), String> {
-    let agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .new_agent();
-    let mut response = agent
-        .post(&format!("{intake}/v1/tasks"))
-        .header("Authorization", &format!("Bearer {token}"))
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .send(body.to_string())
-        .map_err(|e| e.to_string())?;
-    let replayed = response.headers().get("Idempotent-Replayed").is_some_and(|v| v == "true");
-    let status = response.status().as_u16();
-    let answer: Value =
-        serde_json::from_str(&response.body_mut().read_to_string().unwrap_or_default()).unwrap_or(Value::Null);
-    Ok((status, replayed, answer["task_id"].as_str().map(str::to_owned)))
+    let answer = submit_over_api(&api_agent(), intake, token, key, body)?;
+    Ok((answer.status, answer.replayed, answer.task_id().map(str::to_owned)))
 }
 
 /// The client: submits every task with its idempotency key, retrying the same key

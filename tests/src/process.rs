@@ -163,6 +163,97 @@ impl Drop for OwnBroker {
     }
 }
 
+/// A Postgres cluster of a test's own (Debian's PostgreSQL 15, as `deploy/local/stack`
+/// starts it: `initdb` and `pg_ctl` from `FENCELINE_PG_BIN`, run as the `postgres`
+/// user when the test runs as root), in the test's scratch folder on a free port,
+/// with a `fenceline` database; stopped and removed when dropped.
+#[derive(Debug)]
+pub struct OwnPostgres {
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl OwnPostgres {
+    pub async fn start() -> Self {
+        let scratch =
+            std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
+        let dir = std::path::Path::new(&scratch).join(format!("pg-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("postgres folder");
+        let postgres = Self { dir, port: free_port() };
+        let data = postgres.data().display().to_string();
+        if running_as_root() {
+            let status = Command::new("chown").args(["postgres:", &postgres.dir.display().to_string()]).status();
+            assert!(status.is_ok_and(|s| s.success()), "chown the postgres folder");
+        }
+        let socket = postgres.dir.display().to_string();
+        let options = format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c max_connections=200", postgres.port);
+        let log = postgres.dir.join("postgres.log").display().to_string();
+        let steps = [
+            vec!["initdb", "-D", &data, "-U", "fenceline", "--auth=trust", "--encoding=UTF8", "--no-instructions"],
+            vec!["pg_ctl", "-D", &data, "-l", &log, "-w", "-t", "60", "-o", &options, "start"],
+        ];
+        for step in steps {
+            let step: Vec<String> = step.into_iter().map(str::to_owned).collect();
+            let status = tokio::task::spawn_blocking(move || {
+                let args: Vec<&str> = step.iter().map(String::as_str).collect();
+                (args[0].to_owned(), pg_command(&args).stdout(std::process::Stdio::null()).status())
+            })
+            .await
+            .expect("pg thread");
+            assert!(status.1.as_ref().is_ok_and(|s| s.success()), "{} failed: {:?}", status.0, status.1);
+        }
+        let admin = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&format!("postgres://fenceline@127.0.0.1:{}/postgres", postgres.port))
+            .await
+            .expect("connect to the test's own Postgres");
+        sqlx::query("CREATE DATABASE fenceline").execute(&admin).await.expect("create database");
+        admin.close().await;
+        postgres
+    }
+
+    fn data(&self) -> std::path::PathBuf {
+        self.dir.join("data")
+    }
+
+    /// The URL of its `fenceline` database.
+    pub fn url(&self) -> String {
+        format!("postgres://fenceline@127.0.0.1:{}/fenceline", self.port)
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        let data = self.data().display().to_string();
+        let _ = pg_command(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "stop"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Postgres program from `FENCELINE_PG_BIN` (or the `PATH`), as the `postgres`
+/// user when running as root (`initdb` refuses root).
+fn pg_command(args: &[&str]) -> Command {
+    let program = std::env::var("FENCELINE_PG_BIN")
+        .map(|bin| format!("{bin}/{}", args[0]))
+        .unwrap_or_else(|_| args[0].to_owned());
+    if running_as_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--", &program]).args(&args[1..]);
+        command
+    } else {
+        let mut command = Command::new(program);
+        command.args(&args[1..]);
+        command
+    }
+}
+
+fn running_as_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
 /// A port nobody listens on now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()

@@ -332,7 +332,8 @@ fn describe(outcome: &CallOutcome) -> String {
         CallOutcome::Answered { status, problem_body: false, .. } => {
             format!("{status} without the provider's problem body (a gateway's answer?)")
         }
-        CallOutcome::TimedOutAfterSend => "no answer within the call timeout after sending".to_owned(),
+        // The scheduler reads timeouts in attempt outcomes by this phrase.
+        CallOutcome::TimedOutAfterSend => fenceline_domain::limits::TIMED_OUT_AFTER_SEND.to_owned(),
         CallOutcome::ResetMidResponse => "the connection broke before the answer was read".to_owned(),
     }
 }

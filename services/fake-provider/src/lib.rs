@@ -111,7 +111,17 @@ pub struct Rule {
     pub register_after_ms: Option<u64>,
     /// Where the operation's artifact is served from.
     pub serve_artifact: Option<Serving>,
+    /// Applies to this share of the matching requests, evenly spread (0.5: every
+    /// second one); the others go on to the next rule. Default: every one.
+    pub share: Option<f64>,
+    /// Each time the rule applies, its `latency_ms` grows by this much (a provider
+    /// getting slower), up to `latency_max_ms`.
+    pub latency_step_ms: Option<u64>,
+    pub latency_max_ms: Option<u64>,
     pub times: Option<u32>,
+    /// Matching requests seen, for `share`.
+    #[serde(skip)]
+    seen: u64,
 }
 
 impl Rule {
@@ -135,6 +145,8 @@ pub struct Call {
     /// What was answered: `succeeded`, `accepted`, `replayed`, `status:429`, `hang`,
     /// `dropped`, `conflict`, `status_after_work:504`.
     pub outcome: String,
+    /// When the call arrived, in milliseconds since the Unix epoch.
+    pub received_at_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -200,10 +212,30 @@ impl Shared {
         applies: impl Fn(&State, &Rule) -> bool,
     ) -> Rule {
         let mut state = self.lock();
-        let found = state.rules.iter().position(|r| r.matches(on, operation, key) && applies(&state, r));
+        let mut found = None;
+        for i in 0..state.rules.len() {
+            if !(state.rules[i].matches(on, operation, key) && applies(&state, &state.rules[i])) {
+                continue;
+            }
+            let rule = &mut state.rules[i];
+            if let Some(share) = rule.share {
+                // Applies when `seen × share` crosses a whole number: evenly spread.
+                rule.seen += 1;
+                let crossed = (rule.seen as f64 * share).floor() > ((rule.seen - 1) as f64 * share).floor();
+                if !crossed {
+                    continue;
+                }
+            }
+            found = Some(i);
+            break;
+        }
         found
             .map(|i| {
                 let rule = state.rules[i].clone();
+                if let Some(step) = rule.latency_step_ms {
+                    let next = rule.latency_ms.unwrap_or(0).saturating_add(step);
+                    state.rules[i].latency_ms = Some(rule.latency_max_ms.map_or(next, |max| next.min(max)));
+                }
                 if let Some(times) = state.rules[i].times.as_mut() {
                     *times = times.saturating_sub(1);
                     if *times == 0 {
@@ -316,6 +348,9 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
                 .and_then(|id| state.operations.get(id))
                 .is_some_and(Operation::running)
     });
+    let received_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let record = |outcome: &str, request_id: Option<String>, charged: bool| {
         let mut state = shared.lock();
         let seq = state.calls.len() as u64 + 1;
@@ -327,6 +362,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
             request_id,
             charged,
             outcome: outcome.to_owned(),
+            received_at_ms,
         });
     };
     if rule.conflict_while_running {

@@ -23,8 +23,8 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::SchedulerSettings;
 use crate::tasks::{self, Context};
+use crate::{SchedulerSettings, health};
 
 /// Longest sleep without a wake-up: bounds how late an expired slot is noticed.
 const LONGEST_SLEEP: Duration = Duration::from_secs(5);
@@ -266,12 +266,29 @@ impl Dispatcher {
                 .fetch_one(&mut *tx)
                 .await?;
             let bucket = read_bucket(tx, provider_name, provider.burst, now).await?;
-            round.providers.insert(provider_name.to_owned(), Held { slots, bucket, bucket_taken: false });
+            // The adaptive limit, when the provider's health reduced it, caps the slots.
+            let (allowed, reduced) = match provider.adaptive_policy() {
+                Some(policy) => {
+                    let limit = health::read(tx, provider_name, &policy).await?;
+                    (limit.slots(&policy), limit.describe(provider_name, &policy))
+                }
+                None => (provider.concurrency, None),
+            };
+            round.providers.insert(
+                provider_name.to_owned(),
+                Held { slots, allowed: i64::from(allowed), reduced, bucket, bucket_taken: false },
+            );
         }
         let Some(held) = round.providers.get_mut(provider_name) else {
             return Ok(Tried::Skipped);
         };
-        if held.slots >= i64::from(provider.concurrency) {
+        if held.slots >= held.allowed {
+            // Passed over because the provider is in trouble: its reason says so. Only
+            // a new reason is written (a write would wake the dispatchers again).
+            let reason = held.reduced.as_ref().map(|reduced| format!("waiting for a slot: {reduced}"));
+            if let Some(reason) = reason.filter(|reason| row.lifecycle.reason.as_ref() != Some(reason)) {
+                tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+            }
             return Ok(Tried::ProviderFull);
         }
         let tenant_kind = (row.tenant.clone(), row.kind.clone());
@@ -338,6 +355,11 @@ struct Round {
 #[derive(Debug)]
 struct Held {
     slots: i64,
+    /// Slots the provider may hold now: its concurrency, or less while its adaptive
+    /// limit is reduced.
+    allowed: i64,
+    /// "imagegen limit 2 of 8, reduced after timeouts" while it is reduced.
+    reduced: Option<String>,
     /// Tokens and when they were counted.
     bucket: (f64, Micros),
     bucket_taken: bool,

@@ -11,12 +11,13 @@ use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
+use fenceline_domain::limits::Health;
 use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
 use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
 use sqlx::PgConnection;
 
-use crate::SchedulerSettings;
 use crate::tasks::{self, Context, TaskRow};
+use crate::{SchedulerSettings, health};
 
 /// Applies task, attempt and recovery events to the lifecycle.
 #[derive(Debug, Clone)]
@@ -218,7 +219,18 @@ impl Handler for LifecycleEvents {
             },
             other => return Err(HandleError::Poison(format!("the scheduler does not take {}", other.event_type()))),
         };
-        tasks::apply(tx, self.ctx(outbox), &row, input, Timestamp::now().0).await?;
+        let now = Timestamp::now().0;
+        // The live attempt's outcome moves its provider's adaptive limit (its slot
+        // names the provider) before the slot is given back.
+        let health = match event {
+            Event::AttemptSucceeded(e) => Some((e.grant_id, Health::Healthy)),
+            Event::AttemptFailed(e) => Some((e.grant_id, Health::of(e.error_class, &e.message))),
+            _ => None,
+        };
+        if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
+            health::observe(tx, &self.catalog, grant_id, health, now).await?;
+        }
+        tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         Ok(())
     }
 }

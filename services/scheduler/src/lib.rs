@@ -2,6 +2,7 @@
 
 pub mod dispatcher;
 pub mod events;
+pub mod health;
 pub mod tasks;
 
 use std::sync::Arc;

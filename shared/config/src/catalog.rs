@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use fenceline_domain::calls::{ErrorTable, GATEWAY_STATUSES, ProviderCapabilities};
+use fenceline_domain::limits::AdaptivePolicy;
 use fenceline_domain::vocabulary::ErrorClass;
 use serde::Deserialize;
 
@@ -54,10 +55,63 @@ pub struct ProviderSpec {
     /// the call timeout plus this, after the loss was reported (docs/execution.md).
     #[serde(default = "default_registration_ms")]
     pub registration_ms: u64,
+    /// How the scheduler adapts this provider's concurrency to its health
+    /// (docs/execution.md, "Adaptive concurrency"); on by default.
+    #[serde(default)]
+    pub adaptive_concurrency: AdaptiveConcurrency,
 }
 
 fn default_registration_ms() -> u64 {
     2_000
+}
+
+/// A provider's adaptive concurrency limit: multiplied by `decrease_factor` on
+/// timeouts, 5xx, 429 and refused connections (at most once per
+/// `decrease_interval_ms`), `increase` added back over each window of successes,
+/// between 1 and `concurrency`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveConcurrency {
+    /// `false`: the provider always gets its whole `concurrency` (default `true`).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The limit is multiplied by this on trouble (default 0.5; above 0, below 1).
+    #[serde(default = "default_decrease_factor")]
+    pub decrease_factor: f64,
+    /// At most one decrease per this many milliseconds (default 1,000): the
+    /// failures of calls in flight together are one signal.
+    #[serde(default = "default_decrease_interval_ms")]
+    pub decrease_interval_ms: u64,
+    /// Slots added over each window of `limit` successes (default 1).
+    #[serde(default = "default_increase")]
+    pub increase: f64,
+}
+
+impl Default for AdaptiveConcurrency {
+    fn default() -> Self {
+        AdaptiveConcurrency {
+            enabled: true,
+            decrease_factor: default_decrease_factor(),
+            decrease_interval_ms: default_decrease_interval_ms(),
+            increase: default_increase(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_decrease_factor() -> f64 {
+    0.5
+}
+
+fn default_decrease_interval_ms() -> u64 {
+    1_000
+}
+
+fn default_increase() -> f64 {
+    1.0
 }
 
 /// What a provider declares it can do.
@@ -121,6 +175,17 @@ impl ProviderSpec {
 
     pub fn call_timeout(&self) -> Duration {
         Duration::from_millis(self.call_timeout_ms)
+    }
+
+    /// The adaptive limit's arithmetic for this provider; `None` when it is off.
+    pub fn adaptive_policy(&self) -> Option<AdaptivePolicy> {
+        let adaptive = &self.adaptive_concurrency;
+        adaptive.enabled.then(|| AdaptivePolicy {
+            ceiling: self.concurrency,
+            decrease_factor: adaptive.decrease_factor,
+            decrease_interval: i64::try_from(adaptive.decrease_interval_ms.saturating_mul(1_000)).unwrap_or(i64::MAX),
+            increase: adaptive.increase,
+        })
     }
 
     /// After a worker was reported lost, how long a request it sent may still reach
@@ -203,6 +268,14 @@ impl Catalog {
                          the work unless it is listed in safe_5xx"
                     )));
                 }
+            }
+            let adaptive = &provider.adaptive_concurrency;
+            let factor_decreases = adaptive.decrease_factor > 0.0 && adaptive.decrease_factor < 1.0;
+            if !(factor_decreases && adaptive.increase > 0.0) {
+                return Err(Error(format!(
+                    "provider `{name}`: adaptive_concurrency needs a decrease_factor above 0 and below 1 and a \
+                     positive increase"
+                )));
             }
             if provider.concurrency == 0 || provider.rate_per_second <= 0.0 || provider.burst < 1.0 {
                 return Err(Error(format!(
@@ -294,6 +367,24 @@ mod tests {
         let img = catalog.provider("img").expect("img");
         assert_eq!(img.overrides().get(&409), Some(&ErrorClass::Ambiguous));
         assert!(img.error_table().safe_5xx.is_empty(), "no 5xx is safe unless declared");
+        let adaptive = img.adaptive_policy().expect("adaptive by default");
+        assert_eq!((adaptive.ceiling, adaptive.decrease_factor, adaptive.decrease_interval), (2, 0.5, 1_000_000));
+    }
+
+    #[test]
+    fn adaptive_concurrency_is_configured_per_provider_and_checked() {
+        let off = GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"adaptive_concurrency\": {\"enabled\": false},");
+        assert!(Catalog::parse(&off).expect("valid").provider("img").expect("img").adaptive_policy().is_none());
+        let tuned = GOOD.replace(
+            "\"burst\": 5,",
+            "\"burst\": 5, \"adaptive_concurrency\": {\"decrease_factor\": 0.7, \"decrease_interval_ms\": 250},",
+        );
+        let policy = Catalog::parse(&tuned).expect("valid").provider("img").expect("img").adaptive_policy();
+        assert_eq!(policy.map(|p| (p.decrease_factor, p.decrease_interval)), Some((0.7, 250_000)));
+        let wrong =
+            GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"adaptive_concurrency\": {\"decrease_factor\": 1.5},");
+        let error = Catalog::parse(&wrong).expect_err("a factor above 1 grows on trouble");
+        assert!(error.0.contains("decrease_factor"), "{}", error.0);
     }
 
     #[test]

@@ -161,6 +161,11 @@ pub enum Input {
         result: Option<Artifact>,
     },
     DeadlinePassed,
+    /// The dispatcher passed over a due task because its provider's slots are
+    /// full under a reduced limit: the reason says so (the state does not change).
+    Held {
+        reason: String,
+    },
 }
 
 /// What the scheduler must do besides storing the task.
@@ -367,6 +372,13 @@ impl Task {
                 if self.live_grant.is_none() && matches!(self.state, TaskState::Queued | TaskState::Waiting) =>
             {
                 self.finish(TaskState::Failed, "the deadline passed before the task could run");
+            }
+            Input::Held { reason }
+                if self.live_grant.is_none()
+                    && matches!(self.state, TaskState::Queued | TaskState::Waiting)
+                    && self.due_at.is_some_and(|at| at <= now) =>
+            {
+                self.reason = Some(reason);
             }
             // Stale or duplicate: about an attempt that is not the live one, or a case
             // that is not the open one.
@@ -888,6 +900,23 @@ mod tests {
         assert!(done.reason.as_deref().unwrap_or_default().contains("paid call"), "{:?}", done.reason);
     }
 
+    #[test]
+    fn a_task_held_by_a_reduced_limit_says_so_and_nothing_else_changes() {
+        let queued = Task::accepted(0, None, None);
+        let held = queued.apply(Input::Held { reason: "waiting for a slot: img limit 1 of 4".into() }, 0, &POLICY);
+        assert!(held.visible && held.effects.is_empty());
+        assert_eq!(
+            (held.task.state, held.task.reason.as_deref()),
+            (TaskState::Queued, Some("waiting for a slot: img limit 1 of 4"))
+        );
+        assert_eq!(held.task.due_at, queued.due_at, "still due");
+        let again = held.task.apply(Input::Held { reason: "waiting for a slot: img limit 1 of 4".into() }, 0, &POLICY);
+        assert!(!again.visible, "the same reason is no new status");
+        let granted = run(&queued, vec![Input::Grant { grant_id: grant(1) }], 0).0;
+        let ignored = granted.apply(Input::Held { reason: "x".into() }, 0, &POLICY);
+        assert_eq!(ignored.task, granted, "a granted task is not held");
+    }
+
     fn any_input() -> impl Strategy<Value = Input> {
         let g = (1u128..6).prop_map(grant);
         let class = prop::sample::select(ErrorClass::ALL);
@@ -935,6 +964,7 @@ mod tests {
                     result
                 }),
             Just(Input::DeadlinePassed),
+            Just(Input::Held { reason: "waiting for a slot".into() }),
         ]
     }
 

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use fenceline_domain::ids::GrantId;
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::{Phase, RecoveryDecision};
-use fenceline_events::{AttemptLost, CancelRequested, Event, RecoveryDecided, SignalReceived, Timestamp, topics};
+use fenceline_domain::vocabulary::{Phase, RecoveryDecision, ResolutionAction};
+use fenceline_events::{
+    AttemptLost, CancelRequested, Event, RecoveryDecided, ResolutionDecided, SignalReceived, Timestamp, topics,
+};
 use fenceline_tests::system::{Caps, System};
 use serde_json::json;
 
@@ -428,4 +430,49 @@ async fn an_attempt_after_an_approval_takes_a_slot_of_the_provider_it_calls() {
     signal(&system, task, "refund_approved", "approval-1").await;
     system.wait_state(task, &["succeeded"], Duration::from_secs(7)).await;
     assert_eq!(system.provider("pay").charges().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_as_new_calls_only_the_step_in_doubt_again_and_keeps_the_verified_steps_and_the_approval() {
+    // Neither provider can dedupe or be asked: a refund answered 504 after the work
+    // is a case for a person.
+    let mut system = System::new(&[("llm", Caps::default()), ("pay", Caps::default())]).await;
+    system.provider("pay").rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "ticket.triage", json!({"ticket": "refund please"})).await;
+    system.wait_state(task, &["awaiting_approval"], LONG).await;
+    signal(&system, task, "refund_approved", "approval-1").await;
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
+    assert_eq!((system.provider("llm").calls().await.len(), system.provider("pay").charges().await), (2, 1));
+
+    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("the open case");
+    let decision = Event::ResolutionDecided(ResolutionDecided {
+        task_id: task,
+        tenant: "acme".into(),
+        case_id: case,
+        action: ResolutionAction::RetryAsNew,
+        charge_acknowledged: true,
+        attached_result: None,
+        decided_by: "test".into(),
+        decided_at: Timestamp::now(),
+    });
+    system.publish(topics::TASKS, &decision).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let llm = system.provider("llm").calls().await;
+    assert_eq!(llm.len(), 2, "classify and draft were verified: not called or billed again: {llm:?}");
+    let pay = system.provider("pay").calls().await;
+    assert_eq!(pay.len(), 2, "only the refund in doubt was called again: {pay:?}");
+    assert_ne!(pay[0]["request_id"], pay[1]["request_id"], "as a new operation");
+    let waits: i64 = scalar_i64(
+        &system,
+        "SELECT count(*) FROM executor.executions WHERE task_id = $1 AND status = 'released'",
+        task,
+    )
+    .await;
+    assert_eq!(waits, 1, "the approval given before the doubt was not asked for again");
 }

@@ -461,3 +461,40 @@ async fn a_claim_or_a_cancel_heard_before_its_grant_keeps_the_grant_from_being_r
         assert_eq!((*claimed_flag, *ended), expected, "grant {grant}: {rows:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_as_new_asks_a_provider_that_can_be_asked_again_and_pays_nothing_when_the_work_was_done() {
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
+    // The work is done and charged, the answer is a gateway's 504, and the provider
+    // cannot answer look-ups while the reconciler asks (20 s in tests).
+    system.provider("img").rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    let capabilities = format!("{}/admin/capabilities", system.provider("img").base);
+    let caps = |lookup: bool| json!({"idempotency_keys": false, "lookup": lookup, "async_results": false});
+    let put = |body| fenceline_tests::system::http("PUT", capabilities.clone(), Some(body));
+    assert_eq!(put(caps(false)).await.expect("capabilities").0, 204);
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a shoe in doubt"})).await;
+    system.wait_state(task, &["outcome_unknown"], LONG).await;
+
+    // The provider answers look-ups again; a person decides to retry as new.
+    assert_eq!(put(caps(true)).await.expect("capabilities").0, 204);
+    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("the open case");
+    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
+        task_id: task,
+        tenant: "acme".into(),
+        case_id: case,
+        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
+        charge_acknowledged: true,
+        attached_result: None,
+        decided_by: "test".into(),
+        decided_at: fenceline_events::Timestamp::now(),
+    });
+    system.publish(fenceline_events::topics::TASKS, &decision).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    assert_eq!(calls(&system, "img").await, (1, 1), "the look-up found the work done: nothing sent or paid again");
+}

@@ -17,7 +17,7 @@ use fenceline_config::catalog::StepSpec;
 use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted};
-use fenceline_providers::{CallAnswer, HttpProvider, ProviderResult, VerifyError};
+use fenceline_providers::{CallAnswer, HttpProvider, Lookup, ProviderResult, VerifyError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -89,6 +89,9 @@ impl Workers {
             self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
             return Ok(None);
         }
+        if let Some(settled) = self.ask_about_the_doubt(lease, step, provider, operation, &input, seq, ends).await? {
+            return Ok(settled);
+        }
         fault!("executor.before_call_intent");
         let key = operation_key(
             lease.task_id,
@@ -127,6 +130,68 @@ impl Workers {
         let answer = provider.start(operation, input.clone(), &key).await;
         fault!("executor.after_provider_answer");
         self.follow(lease, &call, input, answer).await
+    }
+
+    /// Before a new generation (a person's `retry_as_new`) pays again for the step
+    /// that was in doubt, a provider that can be asked is asked once more about the
+    /// operation in doubt: evidence may have come in since the case was opened.
+    /// Done, or still running: it is followed to its end under its own key, and no
+    /// second operation starts. Never received, or no answer: the new operation
+    /// goes ahead, as the person decided. `Some`: the step was settled here.
+    #[allow(clippy::too_many_arguments)]
+    async fn ask_about_the_doubt(
+        &self,
+        lease: &mut Lease,
+        step: &StepSpec,
+        provider: &HttpProvider,
+        operation: &str,
+        input: &serde_json::Value,
+        seq: i32,
+        ends: Ends,
+    ) -> Result<Option<Option<ArtifactRef>>, Stop> {
+        if lease.generation == 0 || seq != 0 || !provider.capabilities().lookup {
+            return Ok(None);
+        }
+        let earlier: Option<(i32, i32)> = sqlx::query_as(
+            "SELECT generation, seq FROM call_sequences WHERE task_id = $1 AND step = $2 AND generation < $3 \
+             ORDER BY generation DESC LIMIT 1",
+        )
+        .bind(lease.task_id.as_uuid())
+        .bind(&step.name)
+        .bind(lease.generation)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some((generation, earlier_seq)) = earlier else {
+            return Ok(None);
+        };
+        let to_u32 = |n: i32| u32::try_from(n).unwrap_or_default();
+        let key = operation_key(lease.task_id, &step.name, to_u32(generation), to_u32(earlier_seq));
+        let answer = match provider.lookup(&key).await {
+            Lookup::Found { request_id, result: Some(result) } => CallAnswer::Done { request_id, result },
+            Lookup::Found { request_id, result: None } => CallAnswer::Accepted { request_id },
+            Lookup::NeverReceived => {
+                info!(task_id = %lease.task_id, step = %step.name, "the operation in doubt was never received; \
+                    starting the new one");
+                return Ok(None);
+            }
+            Lookup::NoAnswer(why) => {
+                warn!(task_id = %lease.task_id, step = %step.name, why, "the provider could not say what became of \
+                    the operation in doubt; starting the new one, as a person decided");
+                return Ok(None);
+            }
+        };
+        info!(task_id = %lease.task_id, step = %step.name, "the provider received the operation in doubt after all; \
+            following it instead of paying again");
+        let call = Call {
+            step: &step.name,
+            provider,
+            operation,
+            key: &key,
+            seq: earlier_seq,
+            window: self.send_window_of(&provider.name),
+            budget_ends: ends.budget,
+        };
+        self.follow(lease, &call, input.clone(), answer).await.map(Some)
     }
 
     /// Follows an answer to the end of the call: polls what was accepted, waits

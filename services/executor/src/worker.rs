@@ -388,13 +388,20 @@ impl Workers {
         Ok(())
     }
 
+    /// The verified results of the task's steps, of this generation or an earlier
+    /// one. A person's `retry_as_new` starts a new generation for the step in doubt:
+    /// the steps before it were checkpointed only after their results were verified
+    /// (an approval only after it was given), so they are kept, not paid for again.
+    /// Steps run in order, so no earlier generation holds a step after the doubt.
     async fn checkpoints(&self, lease: &Lease) -> Result<HashMap<String, serde_json::Value>, Stop> {
-        let rows: Vec<(String, serde_json::Value)> =
-            sqlx::query_as("SELECT step, output FROM checkpoints WHERE task_id = $1 AND generation = $2")
-                .bind(lease.task_id.as_uuid())
-                .bind(lease.generation)
-                .fetch_all(&self.pool)
-                .await?;
+        let rows: Vec<(String, serde_json::Value)> = sqlx::query_as(
+            "SELECT DISTINCT ON (step) step, output FROM checkpoints \
+             WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
+        )
+        .bind(lease.task_id.as_uuid())
+        .bind(lease.generation)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(rows.into_iter().collect())
     }
 

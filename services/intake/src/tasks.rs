@@ -381,13 +381,22 @@ impl From<fenceline_events::Evidence> for EvidenceView {
 }
 
 impl CaseView {
-    fn resolutions() -> BTreeMap<String, String> {
+    /// What each resolution does, for a case at `step` (the step in doubt, when the
+    /// status names it). Only the step in doubt is called again: the steps before
+    /// it keep their verified results.
+    fn resolutions(step: Option<&str>) -> BTreeMap<String, String> {
+        let again = match step {
+            Some(step) => format!("calls step `{step}` again"),
+            None => "calls the step in doubt again".to_owned(),
+        };
         BTreeMap::from([
             (
                 "retry_as_new".to_owned(),
-                "starts the work again as a new operation with a new operation key; the provider may bill it \
-                 again (needs acknowledge_possible_charge: true)"
-                    .to_owned(),
+                format!(
+                    "{again} as a new operation with a new operation key, so the provider may bill it again \
+                     (needs acknowledge_possible_charge: true); the steps before it keep their verified results \
+                     and are not called or billed again, and the steps after it run for the first time"
+                ),
             ),
             ("accept_failed".to_owned(), "ends the task as failed; nothing is called".to_owned()),
             ("attach_result".to_owned(), "ends the task as succeeded with a result found elsewhere".to_owned()),
@@ -459,7 +468,7 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
         view.case = case.map(|(case_id, evidence)| CaseView {
             case_id,
             evidence: evidence.0.into_iter().map(EvidenceView::from).collect(),
-            resolutions: CaseView::resolutions(),
+            resolutions: CaseView::resolutions(view.step.as_deref()),
         });
     }
     // The scheduler names the case of a task that needs a person; its reason is the evidence.
@@ -470,7 +479,7 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
         view.case = Some(CaseView {
             case_id,
             evidence: vec![EvidenceView { source: "scheduler".into(), observed_at: view.updated_at, finding }],
-            resolutions: CaseView::resolutions(),
+            resolutions: CaseView::resolutions(view.step.as_deref()),
         });
     }
     view.attempts = Some(

@@ -394,8 +394,10 @@ impl Task {
                 self.throttles = 0;
                 self.case_id = None;
                 self.resume_after_step = None;
-                // A new generation runs every step again, its approvals too: a
-                // signal given before this decision does not approve them.
+                // A new generation calls the step in doubt again under a new key;
+                // the executor keeps the verified checkpoints of the steps before
+                // it (approvals given included). A signal kept from before this
+                // decision approves nothing the new generation has not reached.
                 self.kept_signals.clear();
                 self.wait_until(now, format!("retry as a new operation (generation {})", self.generation));
                 self.state = TaskState::Queued;

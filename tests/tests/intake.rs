@@ -1086,3 +1086,39 @@ async fn the_api_keeps_to_its_openapi_document_under_schemathesis() {
     );
     assert!(report.contains("passed"), "schemathesis tested something: {report}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_dedupes_by_ticket_id_makes_one_task_however_many_event_ids_its_retries_carry() {
+    let intake = start_intake().await;
+    let tenant = Tenant::parse("acme").expect("tenant");
+    let (_, secret) =
+        fenceline_intake::webhooks::add_secret(&intake.pool, "helpdesk", &tenant, "ticket.triage").await.expect("s");
+    let set = fenceline_intake::webhooks::set_dedupe_field(&intake.pool, "helpdesk", Some("/ticket/id"));
+    assert!(set.await.expect("dedupe field"), "the source exists");
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let body =
+        |id: Value, note: &str| json!({"ticket": {"id": id, "subject": "refund please"}, "note": note}).to_string();
+
+    // The helpdesk gives each delivery attempt its own event id, each signed.
+    let first_body = body(json!(81723), "first try");
+    let first =
+        deliver(&intake, "helpdesk", "try-1", now, &sign(&secret, now, "try-1", &first_body), &first_body).await;
+    assert_eq!((first.status, first.replayed), (202, false), "{:?}", first.body);
+    let retry_body = body(json!(81723), "first try");
+    let retry =
+        deliver(&intake, "helpdesk", "try-2", now, &sign(&secret, now, "try-2", &retry_body), &retry_body).await;
+    assert_eq!((retry.status, retry.replayed, &retry.body["task_id"]), (202, true, &first.body["task_id"]));
+    // The same ticket with another body is the reuse of a key, not a new task.
+    let changed = body(json!(81723), "edited");
+    let reused = deliver(&intake, "helpdesk", "try-3", now, &sign(&secret, now, "try-3", &changed), &changed).await;
+    assert_eq!(reused.status, 422, "{:?}", reused.body);
+    // Another ticket is another task; a body without the field is refused, saying why.
+    let other = body(json!("81724"), "first try");
+    let second = deliver(&intake, "helpdesk", "try-4", now, &sign(&secret, now, "try-4", &other), &other).await;
+    assert_eq!((second.status, second.replayed), (202, false), "{:?}", second.body);
+    let bare = json!({"subject": "no ticket"}).to_string();
+    let refused = deliver(&intake, "helpdesk", "try-5", now, &sign(&secret, now, "try-5", &bare), &bare).await;
+    assert_eq!(refused.status, 400, "{:?}", refused.body);
+    assert!(refused.body["detail"].as_str().unwrap_or_default().contains("/ticket/id"), "{:?}", refused.body);
+    assert_eq!(task_rows(&intake.pool).await, 2);
+}

@@ -499,9 +499,10 @@ async fn webhook(
         state.webhook_tolerance_seconds,
     )
     .map_err(refused)?;
-    let key = IdempotencyKey::parse(&format!("webhook:{}:{}", path.as_str(), event_id.as_str()))?;
     let input: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("body: {e}")))?;
+    let key =
+        IdempotencyKey::parse(&source.dedupe_key(path.as_str(), &event_id, &input).map_err(ApiError::InvalidRequest)?)?;
     let task = SubmitTask {
         kind: source.kind.clone(),
         input,

@@ -34,6 +34,16 @@ enum Command {
         #[arg(long)]
         kind: String,
     },
+    /// Deduplicates a webhook source's deliveries by a body field (a JSON pointer
+    /// such as `/ticket/id`) instead of by event id; `--by-event-id` goes back.
+    SetWebhookDedupeField {
+        #[arg(long)]
+        source: String,
+        #[arg(long, required_unless_present = "by_event_id")]
+        field: Option<String>,
+        #[arg(long, conflicts_with = "field")]
+        by_event_id: bool,
+    },
     /// Lets a source submit tasks for a tenant through the upstream topic
     /// (creating the tenant if needed); records naming another tenant are refused.
     AddUpstreamSource {
@@ -86,6 +96,16 @@ async fn main() -> anyhow::Result<()> {
             {
                 println!("source={source} secret_id={id} secret={secret}");
             }
+        }
+        Command::SetWebhookDedupeField { source, field, by_event_id: _ } => {
+            if let Some(field) = &field {
+                anyhow::ensure!(field.starts_with('/'), "--field is a JSON pointer such as /ticket/id");
+            }
+            let pool = admin_pool(&cli.config).await?;
+            anyhow::ensure!(
+                fenceline_intake::webhooks::set_dedupe_field(&pool, &source, field.as_deref()).await?,
+                "no webhook source {source}: add it with add-webhook-secret first"
+            );
         }
         Command::AddUpstreamSource { source, tenant } => {
             let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;

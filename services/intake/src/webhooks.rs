@@ -8,7 +8,7 @@
 //! answered at once.
 
 use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -123,22 +123,62 @@ pub struct Source {
     pub tenant: Tenant,
     pub kind: String,
     pub secrets: Vec<Vec<u8>>,
+    /// A JSON pointer into the body naming the business id (a ticket id) that a
+    /// delivery is deduplicated by, whatever its event id: a sender that gives each
+    /// retry a new event id still makes one task. `None`: by event id.
+    pub dedupe_field: Option<String>,
+}
+
+impl Source {
+    /// The idempotency key a delivery is submitted under: its event id, or the
+    /// value at the source's dedupe field. The field's value is hashed (it may be
+    /// any text) behind a `.`, which no event id contains, so the two kinds of
+    /// keys never meet.
+    pub fn dedupe_key(&self, source: &str, event_id: &EventId, body: &serde_json::Value) -> Result<String, String> {
+        let Some(pointer) = &self.dedupe_field else {
+            return Ok(format!("webhook:{source}:{}", event_id.as_str()));
+        };
+        let value = match body.pointer(pointer) {
+            Some(serde_json::Value::String(text)) if !text.is_empty() => text.clone(),
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            _ => {
+                return Err(format!(
+                    "source `{source}` deduplicates deliveries by the body field `{pointer}` (a non-empty string \
+                     or a number), and this body has none"
+                ));
+            }
+        };
+        let digest = Sha256::digest(format!("{pointer}\0{value}").as_bytes());
+        Ok(format!("webhook:{source}:field.{}", hex::encode(digest)))
+    }
+}
+
+/// Names the body field a source's deliveries are deduplicated by (`None`: by
+/// event id). `Ok(false)`: no such source.
+pub async fn set_dedupe_field(pool: &PgPool, name: &str, pointer: Option<&str>) -> Result<bool, sqlx::Error> {
+    let updated = sqlx::query("UPDATE webhook_sources SET dedupe_field = $2 WHERE source = $1")
+        .bind(name)
+        .bind(pointer)
+        .execute(pool)
+        .await?;
+    Ok(updated.rows_affected() == 1)
 }
 
 /// Looks a source up with its active secrets; `None` if unknown.
 pub async fn source(pool: &PgPool, name: &str) -> Result<Option<Source>, sqlx::Error> {
-    let row: Option<(String, String)> = sqlx::query_as("SELECT tenant, kind FROM webhook_sources WHERE source = $1")
-        .bind(name)
-        .fetch_optional(pool)
-        .await?;
-    let Some((tenant, kind)) = row else { return Ok(None) };
+    let row: Option<(String, String, Option<String>)> =
+        sqlx::query_as("SELECT tenant, kind, dedupe_field FROM webhook_sources WHERE source = $1")
+            .bind(name)
+            .fetch_optional(pool)
+            .await?;
+    let Some((tenant, kind, dedupe_field)) = row else { return Ok(None) };
     let Ok(tenant) = Tenant::parse(&tenant) else { return Ok(None) };
     let secrets: Vec<String> =
         sqlx::query_scalar("SELECT secret FROM webhook_secrets WHERE source = $1 AND retired_at IS NULL")
             .bind(name)
             .fetch_all(pool)
             .await?;
-    Ok(Some(Source { tenant, kind, secrets: secrets.into_iter().map(String::into_bytes).collect() }))
+    Ok(Some(Source { tenant, kind, secrets: secrets.into_iter().map(String::into_bytes).collect(), dedupe_field }))
 }
 
 /// Adds (or re-points) a source and gives it a new secret; keeps at most two

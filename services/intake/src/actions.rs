@@ -51,6 +51,7 @@ async fn once(
     let fresh = dedup.execute(&mut *tx).await?.rows_affected() == 1;
     if fresh {
         outbox.append(&mut tx, topics::TASKS, None, &event()).await?;
+        crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
     tx.commit().await?;
     if fresh {
@@ -148,6 +149,7 @@ pub async fn signal(
             received_at: Timestamp::now(),
         });
         outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+        crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
     tx.commit().await?;
     if fresh {
@@ -308,6 +310,7 @@ pub async fn resolve(
         decided_at: Timestamp::now(),
     });
     outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     tx.commit().await?;
     outbox.committed();
     Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: false })

@@ -64,6 +64,28 @@ pub async fn revoke_token(pool: &PgPool, token_id: Uuid) -> Result<bool, sqlx::E
     Ok(result.rows_affected() == 1)
 }
 
+/// The bearer token of a request, if it carries one.
+pub fn bearer(req: &HttpRequest) -> Option<String> {
+    req.headers()
+        .get("Authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_owned())
+}
+
+/// The tenant of an active token; `None` for an unknown or revoked one.
+pub async fn tenant_of(pool: &PgPool, token: &str) -> Result<Option<Tenant>, sqlx::Error> {
+    if token.len() > 200 {
+        return Ok(None);
+    }
+    let tenant: Option<String> =
+        sqlx::query_scalar("SELECT tenant FROM api_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL")
+            .bind(digest(token))
+            .fetch_optional(pool)
+            .await?;
+    Ok(tenant.and_then(|t| Tenant::parse(&t).ok()))
+}
+
 /// The tenant of the request's bearer token. Extracting it answers 401 for a missing,
 /// unknown or revoked token.
 #[derive(Debug, Clone)]
@@ -74,27 +96,14 @@ impl FromRequest for Caller {
     type Future = std::pin::Pin<Box<dyn Future<Output = Result<Self, Self::Error>>>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        let token = req
-            .headers()
-            .get("Authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|t| t.trim().to_owned());
+        let token = bearer(req);
         let pool = req.app_data::<web::Data<PgPool>>().cloned();
         Box::pin(async move {
             let (Some(token), Some(pool)) = (token, pool) else {
                 return Err(ApiError::Unauthorized);
             };
-            if token.len() > 200 {
-                return Err(ApiError::Unauthorized);
-            }
-            let tenant: Option<String> =
-                sqlx::query_scalar("SELECT tenant FROM api_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL")
-                    .bind(digest(&token))
-                    .fetch_optional(pool.get_ref())
-                    .await?;
-            let tenant = tenant.ok_or(ApiError::Unauthorized)?;
-            Ok(Caller(Tenant::parse(&tenant).map_err(|_| ApiError::Unauthorized)?))
+            let tenant = tenant_of(pool.get_ref(), &token).await?;
+            tenant.map(Caller).ok_or(ApiError::Unauthorized)
         })
     }
 }

@@ -4,9 +4,12 @@
 pub mod actions;
 pub mod auth;
 pub mod kinds;
+pub mod live;
 pub mod openapi;
 pub mod problem;
 pub mod tasks;
+pub mod timeline;
+pub mod ui;
 pub mod upstream;
 pub mod webhooks;
 
@@ -108,6 +111,10 @@ struct State {
     webhook_tolerance_seconds: i64,
     /// The OpenAPI document, rendered once.
     openapi: Arc<String>,
+    /// The changes this instance's listener hears, for the event streams.
+    changes: live::Changes,
+    /// Cancelled when the service begins to stop: the event streams end.
+    stopping: tokio_util::sync::CancellationToken,
 }
 
 /// Builds intake: connects and migrates its schema, starts its outbox relay, its
@@ -120,11 +127,21 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let upstream_kinds = kinds.clone();
     let body_limit = config.intake.body_limit_bytes;
     let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
+    let changes = live::Changes::default();
+    let streams = changes.clone();
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
         let openapi = Arc::new(openapi::document(&kinds).to_string());
-        let state = web::Data::new(State { outbox: base.outbox.clone(), kinds, webhook_tolerance_seconds, openapi });
+        let state = web::Data::new(State {
+            outbox: base.outbox.clone(),
+            kinds,
+            webhook_tolerance_seconds,
+            openapi,
+            changes: streams,
+            stopping: base.stopping.clone(),
+        });
         move |cfg: &mut web::ServiceConfig| {
+            cfg.configure(ui::routes);
             cfg.service(
                 web::scope("/v1")
                     .wrap(from_fn(header_limits))
@@ -142,12 +159,17 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                     .service(resource("/tasks/{task_id}/cancel", "POST").route(web::post().to(cancel)))
                     .service(resource("/tasks/{task_id}/signals/{name}", "POST").route(web::post().to(signal)))
                     .service(resource("/tasks/{task_id}/resolution", "POST").route(web::post().to(resolve)))
+                    .service(resource("/summary", "GET").route(web::get().to(summary)))
+                    .service(resource("/events", "GET").route(web::get().to(events)))
                     .service(resource("/webhooks/{source}", "POST").route(web::post().to(webhook))),
             );
         }
     })
     .await?;
     let pool = app.base.database.pool.clone();
+    let schema = app.base.database.schema.as_str().to_owned();
+    let listening = app.base.shutdown.child_token();
+    app.base.spawn(live::listen(pool.clone(), schema, changes, listening));
 
     app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection)?;
     app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection)?;
@@ -211,7 +233,7 @@ async fn report_unscheduled(pool: &PgPool, after: Duration) {
 }
 
 /// A resource that answers `405` with `Allow: allow` to any other method.
-fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
+pub(crate) fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
     web::resource(path).default_service(web::to(move || async move { problem::method_not_allowed(allow) }))
 }
 
@@ -331,6 +353,62 @@ async fn list(
     query: web::Query<tasks::ListQuery>,
 ) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(tasks::list(&pool, &caller.0, query.into_inner()).await?))
+}
+
+/// The caller's tenant and how many of its tasks are in each state, within the
+/// listing's filters (but the state): the dashboard's overview.
+#[utoipa::path(
+    get, path = "/v1/summary", tag = "tasks",
+    params(tasks::SummaryQuery),
+    responses(
+        (status = 200, description = "The counts", body = tasks::Summary),
+        (status = 400, description = "A bad filter", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+    ),
+)]
+async fn summary(
+    caller: Caller,
+    pool: web::Data<PgPool>,
+    query: web::Query<tasks::SummaryQuery>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(tasks::summarise(&pool, &caller.0, query.into_inner()).await?))
+}
+
+/// `GET /v1/events`: the caller's tenant's task changes as server-sent events
+/// (docs/dashboard.md). Authenticated by the bearer token like every call (a page
+/// reads it with `fetch()`), resumable with `Last-Event-ID`, a heartbeat comment
+/// every 15 s. Not in the OpenAPI document: it is a stream, not a JSON answer.
+async fn events(
+    req: HttpRequest,
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+) -> Result<HttpResponse, ApiError> {
+    let token = auth::bearer(&req).ok_or(ApiError::Unauthorized)?;
+    let last_event_id = req
+        .headers()
+        .get("Last-Event-ID")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .filter(|id| *id > 0);
+    let stream = live::Stream {
+        pool: pool.get_ref().clone(),
+        tenant: caller.0,
+        token,
+        last_event_id,
+        changes: state.changes.subscribe(),
+        stopping: state.stopping.clone(),
+    };
+    let (out, frames) = tokio::sync::mpsc::channel(64);
+    actix_web::rt::spawn(live::run(stream, out));
+    let body = futures_util::stream::unfold(frames, |mut frames| async move {
+        frames.recv().await.map(|frame| (Ok::<_, std::convert::Infallible>(frame), frames))
+    });
+    let mut response =
+        HttpResponse::Ok().content_type("text/event-stream").insert_header(("X-Accel-Buffering", "no")).streaming(body);
+    ui::harden(&mut response);
+    Ok(response)
 }
 
 /// Reads one task: its state and why, its attempts, its result, and for

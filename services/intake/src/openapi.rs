@@ -22,6 +22,7 @@ use crate::kinds::KindCatalog;
         crate::cancel,
         crate::signal,
         crate::resolve,
+        crate::summary,
         crate::webhook,
     ),
     components(schemas(crate::problem::Problem)),
@@ -103,6 +104,7 @@ mod tests {
             ("/v1/tasks/{task_id}/cancel", "post"),
             ("/v1/tasks/{task_id}/signals/{name}", "post"),
             ("/v1/tasks/{task_id}/resolution", "post"),
+            ("/v1/summary", "get"),
             ("/v1/webhooks/{source}", "post"),
         ];
         for (path, method) in operations {

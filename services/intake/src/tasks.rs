@@ -261,6 +261,7 @@ pub async fn submit_in(
         accepted_at: Timestamp::from(accepted_at),
     });
     outbox.append(&mut *conn, topics::TASKS, None, &event).await?;
+    crate::live::changed(&mut *conn, task_id, Some(tenant.as_str())).await?;
     tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, source, "task accepted");
     Ok(Submitted::Created(accepted(task_id)))
 }
@@ -302,6 +303,11 @@ pub struct TaskView {
     #[schema(value_type = String, format = Uuid)]
     pub task_id: TaskId,
     pub kind: String,
+    /// The labels the task was submitted with.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub accepted_at: OffsetDateTime,
     /// `queued`, `waiting`, `running`, `awaiting_approval`, `succeeded`, `failed`,
     /// `cancelled`, `outcome_unknown` or `needs_human`.
     pub state: String,
@@ -331,6 +337,17 @@ pub struct TaskView {
     /// Single reads only: every attempt a worker took up, oldest first, with how it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<Vec<AttemptView>>,
+    /// Single reads only: everything intake heard about the task and what people
+    /// asked of it, oldest first (docs/dashboard.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Vec<crate::timeline::TimelineEntry>>,
+    /// Single reads of a task in `awaiting_approval`: the signal its step waits
+    /// for (`POST /v1/tasks/{id}/signals/{name}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaiting_signal: Option<String>,
+    /// Single reads only: the trace the task's first traced event belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 /// One attempt as the executor reported it.
@@ -410,6 +427,7 @@ impl CaseView {
 struct Row {
     task_id: uuid::Uuid,
     kind: String,
+    labels: sqlx::types::Json<BTreeMap<String, String>>,
     accepted_at: OffsetDateTime,
     state: Option<String>,
     reason: Option<String>,
@@ -423,7 +441,7 @@ struct Row {
     version: Option<i64>,
 }
 
-const SELECT_ROWS: &str = "SELECT t.task_id, t.kind, t.accepted_at, v.state, v.reason, v.attempt, v.step, v.phase, \
+const SELECT_ROWS: &str = "SELECT t.task_id, t.kind, t.labels, t.accepted_at, v.state, v.reason, v.attempt, v.step, v.phase, \
      v.next_attempt_at, v.result, v.case_id, v.updated_at, v.version \
      FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id";
 
@@ -434,6 +452,8 @@ impl From<Row> for TaskView {
         TaskView {
             task_id: TaskId::from_uuid(row.task_id),
             kind: row.kind,
+            labels: row.labels.0,
+            accepted_at: row.accepted_at,
             state: row.state.unwrap_or_else(|| TaskState::Queued.as_str().to_owned()),
             reason: if projected { row.reason } else { Some("accepted; not yet scheduled".into()) },
             attempt: row.attempt.unwrap_or(0),
@@ -446,6 +466,9 @@ impl From<Row> for TaskView {
             version: row.version.unwrap_or(0),
             case: None,
             attempts: None,
+            timeline: None,
+            awaiting_signal: None,
+            trace_id: None,
         }
     }
 }
@@ -491,7 +514,38 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
         .fetch_all(pool)
         .await?,
     );
+    let timeline = crate::timeline::read(pool, task_id, TIMELINE_LIMIT).await?;
+    view.trace_id = timeline.iter().find_map(|line| line.trace_id.clone());
+    if view.state == TaskState::AwaitingApproval.as_str() {
+        view.awaiting_signal =
+            timeline.iter().rev().find(|line| line.event == "AwaitingSignal").and_then(|l| l.signal.clone());
+    }
+    view.timeline = Some(timeline);
     Ok(view)
+}
+
+/// The most lines a single read shows of a task's timeline.
+const TIMELINE_LIMIT: i64 = 1000;
+
+/// The task as a listing shows it, and when intake's projections last changed it
+/// (the event streams' ids); `None` if the tenant has no such task.
+pub async fn summary(
+    pool: &PgPool,
+    tenant: &Tenant,
+    task_id: TaskId,
+) -> Result<Option<(TaskView, Option<OffsetDateTime>)>, sqlx::Error> {
+    let row: Option<Row> = sqlx::query_as(&format!("{SELECT_ROWS} WHERE t.task_id = $1 AND t.tenant = $2"))
+        .bind(task_id.as_uuid())
+        .bind(tenant.as_str())
+        .fetch_optional(pool)
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let changed_at: Option<OffsetDateTime> =
+        sqlx::query_scalar("SELECT changed_at FROM task_changes WHERE task_id = $1")
+            .bind(task_id.as_uuid())
+            .fetch_optional(pool)
+            .await?;
+    Ok(Some((TaskView::from(row), changed_at)))
 }
 
 /// Projects the `outcome_unknown` decisions of `fenceline.recovery` with their
@@ -504,6 +558,8 @@ impl Handler for CaseProjection {
         let Event::RecoveryDecided(decided) = &record.envelope.event else {
             return Ok(());
         };
+        crate::timeline::record(&mut *tx, record).await?;
+        crate::live::changed(&mut *tx, decided.task_id, None).await?;
         // A decision about an attempt whose outcome was in doubt belongs on that attempt
         // (the attempt's own event may arrive later, on another topic).
         if decided.decision != RecoveryDecision::ReissueGrant {
@@ -542,6 +598,9 @@ pub struct AttemptProjection;
 
 impl Handler for AttemptProjection {
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        if let Some(task_id) = crate::timeline::record(&mut *tx, record).await? {
+            crate::live::changed(&mut *tx, task_id, None).await?;
+        }
         let at = record.envelope.headers.produced_at.to_datetime();
         let (task_id, attempt, outcome, error_class, detail, money, ended_at) = match &record.envelope.event {
             Event::AttemptClaimed(e) => {
@@ -637,6 +696,8 @@ impl Handler for StatusProjection {
         .bind(status.version)
         .execute(&mut *tx)
         .await?;
+        crate::timeline::record(&mut *tx, record).await?;
+        crate::live::changed(&mut *tx, status.task_id, Some(&status.tenant)).await?;
         Ok(())
     }
 }
@@ -709,7 +770,17 @@ pub async fn purge_finished_tasks(
         .fetch_all(&mut *tx)
         .await?;
         // Children first: actions reference their task.
-        for table in ["signals", "cancellations", "resolutions", "task_cases", "task_attempts", "tasks", "task_view"] {
+        for table in [
+            "signals",
+            "cancellations",
+            "resolutions",
+            "task_cases",
+            "task_attempts",
+            "task_timeline",
+            "task_changes",
+            "tasks",
+            "task_view",
+        ] {
             sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;
@@ -813,26 +884,55 @@ pub struct Page {
     pub next_cursor: Option<String>,
 }
 
+/// The filters a listing and the counts share, checked.
+#[derive(Debug)]
+struct Filter {
+    kind: Option<String>,
+    /// `{key: value}`, for `labels @>`.
+    label: Option<serde_json::Value>,
+    since: Option<OffsetDateTime>,
+    until: Option<OffsetDateTime>,
+}
+
+impl Filter {
+    fn parse(
+        kind: Option<String>,
+        label: Option<String>,
+        since: Option<OffsetDateTime>,
+        until: Option<OffsetDateTime>,
+    ) -> Result<Self, ApiError> {
+        // Postgres cannot compare text holding a NUL character: refused here, not a 500.
+        for (name, value) in [("kind", &kind), ("label", &label)] {
+            if value.as_deref().is_some_and(|v| v.contains('\0')) {
+                return Err(nul_refused(name));
+            }
+        }
+        let label = match &label {
+            Some(raw) => {
+                let (k, v) =
+                    raw.split_once(':').ok_or_else(|| ApiError::InvalidRequest("label: expected key:value".into()))?;
+                Some(serde_json::json!({ k: v }))
+            }
+            None => None,
+        };
+        Ok(Filter { kind, label, since, until })
+    }
+}
+
+/// The conditions of [`Filter`] on `tasks t`, with its values at `$2` to `$5`.
+const FILTERED: &str = "t.tenant = $1 \
+       AND ($2::text IS NULL OR t.kind = $2) \
+       AND ($3::jsonb IS NULL OR t.labels @> $3) \
+       AND ($4::timestamptz IS NULL OR t.accepted_at >= $4) \
+       AND ($5::timestamptz IS NULL OR t.accepted_at < $5)";
+
 /// Lists the tenant's tasks, newest first, by keyset pagination on the task id
 /// (UUIDv7, so creation order): pages stay stable while new tasks arrive.
 pub async fn list(pool: &PgPool, tenant: &Tenant, query: ListQuery) -> Result<Page, ApiError> {
-    // Postgres cannot compare text holding a NUL character: refused here, not a 500.
-    for (name, value) in [("kind", &query.kind), ("label", &query.label)] {
-        if value.as_deref().is_some_and(|v| v.contains('\0')) {
-            return Err(nul_refused(name));
-        }
-    }
+    let filter = Filter::parse(query.kind, query.label, query.since, query.until)?;
     if let Some(state) = &query.state {
         state.parse::<TaskState>().map_err(|e| ApiError::InvalidRequest(format!("state: {e}")))?;
     }
-    let label = match &query.label {
-        Some(raw) => {
-            let (k, v) =
-                raw.split_once(':').ok_or_else(|| ApiError::InvalidRequest("label: expected key:value".into()))?;
-            Some(serde_json::json!({ k: v }))
-        }
-        None => None,
-    };
     let cursor = match &query.cursor {
         Some(raw) => {
             Some(raw.parse::<TaskId>().map_err(|_| ApiError::InvalidRequest("cursor: not one this API gave".into()))?)
@@ -844,21 +944,17 @@ pub async fn list(pool: &PgPool, tenant: &Tenant, query: ListQuery) -> Result<Pa
         return Err(ApiError::InvalidRequest("limit: 1 to 200".into()));
     }
     let rows: Vec<Row> = sqlx::query_as(&format!(
-        "{SELECT_ROWS} WHERE t.tenant = $1 \
-           AND ($2::text IS NULL OR coalesce(v.state, 'queued') = $2) \
-           AND ($3::text IS NULL OR t.kind = $3) \
-           AND ($4::jsonb IS NULL OR t.labels @> $4) \
-           AND ($5::timestamptz IS NULL OR t.accepted_at >= $5) \
-           AND ($6::timestamptz IS NULL OR t.accepted_at < $6) \
+        "{SELECT_ROWS} WHERE {FILTERED} \
+           AND ($6::text IS NULL OR coalesce(v.state, 'queued') = $6) \
            AND ($7::uuid IS NULL OR t.task_id < $7) \
          ORDER BY t.task_id DESC LIMIT $8"
     ))
     .bind(tenant.as_str())
+    .bind(&filter.kind)
+    .bind(&filter.label)
+    .bind(filter.since)
+    .bind(filter.until)
     .bind(&query.state)
-    .bind(&query.kind)
-    .bind(label)
-    .bind(query.since)
-    .bind(query.until)
     .bind(cursor.map(|c| c.as_uuid()))
     .bind(limit + 1)
     .fetch_all(pool)
@@ -867,4 +963,49 @@ pub async fn list(pool: &PgPool, tenant: &Tenant, query: ListQuery) -> Result<Pa
     let tasks: Vec<TaskView> = rows.into_iter().take(limit as usize).map(TaskView::from).collect();
     let next_cursor = if more { tasks.last().map(|t| t.task_id.to_string()) } else { None };
     Ok(Page { tasks, next_cursor })
+}
+
+/// Filters of `GET /v1/summary`: those of the listing but the state.
+#[derive(Debug, Clone, Default, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct SummaryQuery {
+    /// Only tasks of this kind.
+    pub kind: Option<String>,
+    /// `key:value`, a label the task carries.
+    pub label: Option<String>,
+    /// Accepted at or after (RFC 3339).
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub since: Option<OffsetDateTime>,
+    /// Accepted before (RFC 3339).
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub until: Option<OffsetDateTime>,
+}
+
+/// The caller's tenant and how many of its tasks are in each state.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Summary {
+    /// The tenant of the token.
+    pub tenant: String,
+    /// Every state, with how many of the tenant's tasks (within the filters) are in it.
+    pub states: BTreeMap<String, i64>,
+}
+
+/// Counts the tenant's tasks by state within the filters.
+pub async fn summarise(pool: &PgPool, tenant: &Tenant, query: SummaryQuery) -> Result<Summary, ApiError> {
+    let filter = Filter::parse(query.kind, query.label, query.since, query.until)?;
+    let counted: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT coalesce(v.state, 'queued'), count(*) FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
+         WHERE {FILTERED} GROUP BY 1"
+    ))
+    .bind(tenant.as_str())
+    .bind(&filter.kind)
+    .bind(&filter.label)
+    .bind(filter.since)
+    .bind(filter.until)
+    .fetch_all(pool)
+    .await?;
+    let mut states: BTreeMap<String, i64> = TaskState::ALL.iter().map(|s| (s.as_str().to_owned(), 0)).collect();
+    states.extend(counted);
+    Ok(Summary { tenant: tenant.as_str().to_owned(), states })
 }

@@ -94,6 +94,9 @@ pub struct Base {
     pub relay_stats: Arc<RelayStats>,
     pub readiness: Readiness,
     pub shutdown: CancellationToken,
+    /// Cancelled first when the service stops, before the HTTP server drains: a
+    /// response that would otherwise never end (an event stream) ends with it.
+    pub stopping: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     /// The relay stops last, so events written by work that drains at shutdown
     /// are still published.
@@ -135,6 +138,7 @@ impl Base {
             relay_stats,
             readiness: Readiness::default(),
             shutdown,
+            stopping: CancellationToken::new(),
             tasks: Vec::new(),
             relay,
         })
@@ -164,12 +168,13 @@ impl Base {
         });
     }
 
-    /// Stops in order: not ready, stop the HTTP server, cancel the background work
+    /// Stops in order: not ready, end the long-lived responses, stop the HTTP server, cancel the background work
     /// and wait for it within `grace`, then stop the relay after a last round (what
     /// the draining work wrote is published), close the pool.
     pub async fn stop(self, http: ServerHandle, grace: std::time::Duration) {
         info!(service = self.name, "shutting down");
         self.readiness.set(false);
+        self.stopping.cancel();
         http.stop(true).await;
         self.shutdown.cancel();
         let started = tokio::time::Instant::now();

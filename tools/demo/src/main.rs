@@ -2,9 +2,12 @@
 //! support tickets arrives through the upstream topic and signed webhooks (some
 //! delivered twice), image jobs through the API with idempotency keys (some
 //! submitted twice), the image provider throttles for a while and drops one answer
-//! after doing the work, the executor is killed in the middle, and two refunds wait
-//! for an approval the demo then gives. It prints progress, then a table of what
-//! happened and what each provider charged, judged by the providers' own ledgers.
+//! after doing the work, the executor is killed in the middle, two refunds wait for
+//! an approval the demo then gives, and one text message to a customer is sent by a
+//! provider that can neither dedupe nor be asked and whose answer is lost: its
+//! outcome is unknown and stays so. It prints progress, then a table of what
+//! happened and what each provider charged, judged by the providers' own ledgers,
+//! and ends with the dashboard's address, where a person decides that case.
 
 #![allow(clippy::print_stdout)]
 
@@ -178,11 +181,11 @@ async fn main() -> anyhow::Result<()> {
     let clock = Instant::now();
     println!("Monday morning (run {}): the weekend's backlog arrives.\n", demo.run);
 
-    for name in ["imagegen", "llm", "payments"] {
+    for name in PROVIDERS {
         demo.provider_call(name, "DELETE", "/admin/rules", None)?;
     }
     // (calls, charges) each provider had before this run: the table shows this run's.
-    let before: BTreeMap<&str, (usize, usize)> = ["imagegen", "llm", "payments"]
+    let before: BTreeMap<&str, (usize, usize)> = PROVIDERS
         .iter()
         .map(|name| {
             let calls = demo.provider_call(name, "GET", "/admin/calls", None).unwrap_or(Value::Null);
@@ -198,6 +201,14 @@ async fn main() -> anyhow::Result<()> {
         Some(json!({"status": 429, "retry_after_s": 2, "times": 12})),
     )?;
     demo.provider_call("imagegen", "POST", "/admin/rules", Some(json!({"drop_after_accept": true, "times": 1})))?;
+    // The text-message gateway sends the text (and charges it), then answers as a
+    // gateway that timed out: nobody can know whether the customer got it.
+    demo.provider_call(
+        "sms",
+        "POST",
+        "/admin/rules",
+        Some(json!({"status_after_work": 504, "bare": true, "times": 1})),
+    )?;
 
     // Tickets through the upstream topic, 1 in 8 delivered twice.
     let producer: FutureProducer = ClientConfig::new()
@@ -287,9 +298,20 @@ async fn main() -> anyhow::Result<()> {
         }
         refunds.push(answer["task_id"].as_str().unwrap_or_default().to_owned());
     }
-    println!("  2 refunds that need an approval\n");
+    println!("  2 refunds that need an approval");
 
-    let expected = demo.config.tickets + image_ids.len() + refunds.len();
+    // One text to a customer through a provider that can neither dedupe nor be asked.
+    let body = json!({"kind": "customer.notify",
+                      "input": {"to": "+15550100", "text": "Your refund for REFUND-0 is on its way."},
+                      "labels": {"demo": demo.run}});
+    let (status, answer) = demo.api("POST", "/v1/tasks", Some(&format!("notify-{}", demo.run)), Some(body))?;
+    if status != 202 {
+        bail!("submitting a text message answered {status}: {answer}");
+    }
+    let notify = answer["task_id"].as_str().unwrap_or_default().to_owned();
+    println!("  1 text message to a customer, through a gateway that cannot be asked what it sent\n");
+
+    let expected = demo.config.tickets + image_ids.len() + refunds.len() + 1;
     let deadline = Instant::now() + Duration::from_secs(demo.config.timeout_s);
     let mut killed = false;
     let mut approved = false;
@@ -336,7 +358,36 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
 
-    report(&demo, &before, clock.elapsed())
+    report(&demo, &before, clock.elapsed())?;
+    decide_at_the_dashboard(&demo, &notify)
+}
+
+/// The fake providers of the local stack.
+const PROVIDERS: [&str; 4] = ["imagegen", "llm", "payments", "sms"];
+
+/// Ends with the case that only a person can decide: its evidence, and where to decide it.
+fn decide_at_the_dashboard(demo: &Demo, task_id: &str) -> anyhow::Result<()> {
+    let (_, task) = demo.api("GET", &format!("/v1/tasks/{task_id}"), None, None)?;
+    println!(
+        "\nOne case waits for a person: task {task_id} ({}) is {}.",
+        task["kind"].as_str().unwrap_or("?"),
+        task["state"].as_str().unwrap_or("?")
+    );
+    if let Some(reason) = task["reason"].as_str() {
+        println!("  why: {reason}");
+    }
+    for evidence in task["case"]["evidence"].as_array().into_iter().flatten() {
+        println!(
+            "  evidence ({}): {}",
+            evidence["source"].as_str().unwrap_or("?"),
+            evidence["finding"].as_str().unwrap_or("")
+        );
+    }
+    println!("\nDecide it on the dashboard: {}/ui", demo.config.intake);
+    println!("  sign in with the demo tenant's token (`deploy/local/stack status` prints it); under");
+    println!("  \"Waiting for a person\" the case shows its evidence and the three ways out: retry as new");
+    println!("  (only after ticking that the provider may charge again), accept as failed, attach a result.");
+    Ok(())
 }
 
 fn report(demo: &Demo, before: &BTreeMap<&str, (usize, usize)>, took: Duration) -> anyhow::Result<()> {
@@ -349,7 +400,7 @@ fn report(demo: &Demo, before: &BTreeMap<&str, (usize, usize)>, took: Duration) 
     }
     let retried = tasks.iter().filter(|t| t["attempt"].as_i64().unwrap_or(0) > 1).count();
     println!("\n  retried: {retried} tasks needed more than one attempt; what the providers saw:");
-    for name in ["imagegen", "llm", "payments"] {
+    for name in PROVIDERS {
         let calls = demo.provider_call(name, "GET", "/admin/calls", None)?;
         let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
         for call in calls.as_array().into_iter().flatten().skip(before.get(name).map_or(0, |b| b.0)) {
@@ -370,6 +421,7 @@ fn report(demo: &Demo, before: &BTreeMap<&str, (usize, usize)>, took: Duration) 
         ("imagegen", by_kind("image.generate"), "image.generate × 1 call"),
         ("llm", 2 * (by_kind("ticket.reply") + by_kind("ticket.triage")), "tickets × 2 calls"),
         ("payments", by_kind("ticket.triage"), "refunds × 1 call"),
+        ("sms", by_kind("customer.notify"), "texts × 1 call"),
     ];
     for (name, owed, what) in rows {
         let ledger = demo.provider_call(name, "GET", "/admin/ledger", None)?;
@@ -378,6 +430,7 @@ fn report(demo: &Demo, before: &BTreeMap<&str, (usize, usize)>, took: Duration) 
         println!("  {name:<10} {charges:>8} {owed:>14}   {what}");
     }
     println!("\nWhere to look next:");
+    println!("  the dashboard     {}/ui (live; sign in with the token)", demo.config.intake);
     println!(
         "  the task API      curl -H 'Authorization: Bearer <token>' {}/v1/tasks?state=succeeded",
         demo.config.intake

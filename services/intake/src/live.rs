@@ -1,0 +1,266 @@
+//! Live changes for the dashboard (docs/dashboard.md). Every projection write marks
+//! its task changed in `task_changes` and notifies Postgres' `<schema>_task_changed`
+//! channel in the same transaction, so the notification leaves on commit. Each
+//! intake instance listens on that channel and fans the notifications out to its
+//! event streams (`GET /v1/events`): a stream hears every change, whichever
+//! instance's consumer projected it.
+
+use std::time::Duration;
+
+use actix_web::web::Bytes;
+use fenceline_domain::ids::TaskId;
+use sqlx::postgres::PgListener;
+use sqlx::{PgConnection, PgPool};
+use time::OffsetDateTime;
+use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Tenant;
+use crate::tasks;
+
+/// Do not change without the listeners: the channel is `<schema>` and this suffix,
+/// so two intakes in two schemas of one database do not hear each other.
+pub const CHANNEL_SUFFIX: &str = "_task_changed";
+/// How often a quiet stream sends a comment line (and checks its token again).
+pub const HEARTBEAT: Duration = Duration::from_secs(15);
+/// A resumed stream replays changes from this long before its last event id: a
+/// transaction that stamped its change earlier may have committed later.
+pub const RESUME_MARGIN: Duration = Duration::from_secs(10);
+/// More changes than this to replay, and the stream asks the page to reload instead.
+pub const REPLAY_LIMIT: i64 = 1000;
+
+/// Marks `task_id` changed and notifies the listeners when the transaction commits.
+/// The tenant comes from the status snapshot if given, else from what intake
+/// already knows of the task; a task intake knows nothing of is not announced
+/// (its first status snapshot announces it).
+pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "WITH owner AS ( \
+           SELECT $2::text AS tenant WHERE $2::text IS NOT NULL \
+           UNION ALL SELECT tenant FROM task_view WHERE task_id = $1 \
+           UNION ALL SELECT tenant FROM tasks WHERE task_id = $1 LIMIT 1), \
+         marked AS ( \
+           INSERT INTO task_changes (task_id, tenant, changed_at) SELECT $1, tenant, clock_timestamp() FROM owner \
+           ON CONFLICT (task_id) DO UPDATE SET \
+             changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING tenant) \
+         SELECT pg_notify(current_schema() || $3, tenant || ' ' || $1::text) FROM marked",
+    )
+    .bind(task_id.as_uuid())
+    .bind(tenant)
+    .bind(CHANNEL_SUFFIX)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// What the listener tells the streams of this instance.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    /// A task of `tenant` changed.
+    Task { tenant: String, task_id: TaskId },
+    /// The listener lost its connection: notifications may have been missed.
+    Missed,
+}
+
+/// The fan-out from the one listener of this instance to its streams.
+#[derive(Debug, Clone)]
+pub struct Changes(broadcast::Sender<Change>);
+
+impl Default for Changes {
+    fn default() -> Self {
+        Self(broadcast::channel(1024).0)
+    }
+}
+
+impl Changes {
+    pub fn subscribe(&self) -> broadcast::Receiver<Change> {
+        self.0.subscribe()
+    }
+}
+
+/// Listens on `<schema>_task_changed` until `shutdown`, reconnecting after a
+/// lost connection (and telling the streams they may have missed changes).
+pub async fn listen(pool: PgPool, schema: String, changes: Changes, shutdown: CancellationToken) {
+    let channel = format!("{schema}{CHANNEL_SUFFIX}");
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(e) => {
+                tracing::warn!(error = %e, "the dashboard's change listener cannot connect; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                }
+            }
+        };
+        if let Err(e) = listener.listen(&channel).await {
+            tracing::warn!(error = %e, "the dashboard's change listener cannot listen; retrying");
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+            }
+        }
+        loop {
+            let received = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                received = listener.try_recv() => received,
+            };
+            match received {
+                Ok(Some(notification)) => {
+                    let parsed = notification
+                        .payload()
+                        .split_once(' ')
+                        .and_then(|(tenant, id)| Some((tenant.to_owned(), id.parse::<TaskId>().ok()?)));
+                    if let Some((tenant, task_id)) = parsed {
+                        // No stream listening is not an error.
+                        let _ = changes.0.send(Change::Task { tenant, task_id });
+                    }
+                }
+                // The connection was lost; the next call reconnects and listens again.
+                Ok(None) => {
+                    let _ = changes.0.send(Change::Missed);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the dashboard's change listener failed; reconnecting");
+                    let _ = changes.0.send(Change::Missed);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// An event id: the change's time in microseconds since the epoch.
+fn event_id(at: OffsetDateTime) -> i64 {
+    (at.unix_timestamp_nanos() / 1000) as i64
+}
+
+/// One server-sent event.
+fn frame(event: &str, id: Option<i64>, data: &str) -> Bytes {
+    let mut text = String::with_capacity(data.len() + 48);
+    if let Some(id) = id {
+        text.push_str(&format!("id: {id}\n"));
+    }
+    text.push_str(&format!("event: {event}\ndata: {data}\n\n"));
+    Bytes::from(text)
+}
+
+/// The `task` event of one task, if the tenant still has it.
+async fn task_frame(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Option<Bytes>, sqlx::Error> {
+    let Some((view, changed_at)) = tasks::summary(pool, tenant, task_id).await? else {
+        return Ok(None);
+    };
+    let data = serde_json::to_string(&view).unwrap_or_default();
+    Ok(Some(frame("task", changed_at.map(event_id), &data)))
+}
+
+/// What a stream needs to run.
+#[derive(Debug)]
+pub struct Stream {
+    pub pool: PgPool,
+    pub tenant: Tenant,
+    /// The bearer token, checked again at every heartbeat: a revoked token's stream ends.
+    pub token: String,
+    pub last_event_id: Option<i64>,
+    pub changes: broadcast::Receiver<Change>,
+    pub stopping: CancellationToken,
+}
+
+/// Runs one stream into `out` until the client goes, its token is revoked, or the
+/// service stops. It starts with the changes since `last_event_id` (or a `ready`
+/// event carrying the current id), then sends each change of the tenant's tasks as
+/// it is heard; `reset` asks the page to reload everything.
+pub async fn run(stream: Stream, out: mpsc::Sender<Bytes>) {
+    let Stream { pool, tenant, token, last_event_id, mut changes, stopping } = stream;
+    if let Err(e) = replay(&pool, &tenant, last_event_id, &out).await {
+        tracing::warn!(error = %e, "an event stream could not replay; it asks for a reload");
+        let _ = out.send(frame("reset", None, "{}")).await;
+    }
+    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
+    loop {
+        let sent = tokio::select! {
+            _ = stopping.cancelled() => return,
+            _ = out.closed() => return,
+            _ = heartbeat.tick() => {
+                match crate::auth::tenant_of(&pool, &token).await {
+                    Ok(Some(now)) if now == tenant => out.send(Bytes::from_static(b": heartbeat\n\n")).await,
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "an event stream could not check its token");
+                        out.send(Bytes::from_static(b": heartbeat\n\n")).await
+                    }
+                }
+            }
+            change = changes.recv() => match change {
+                Ok(Change::Task { tenant: owner, task_id }) if owner == tenant.as_str() => {
+                    match task_frame(&pool, &tenant, task_id).await {
+                        Ok(Some(frame)) => out.send(frame).await,
+                        Ok(None) => Ok(()),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "an event stream could not read a task; it asks for a reload");
+                            out.send(frame("reset", None, "{}")).await
+                        }
+                    }
+                }
+                Ok(Change::Task { .. }) => Ok(()),
+                Ok(Change::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    out.send(frame("reset", None, "{}")).await
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+}
+
+/// The start of a stream: the tenant's changes since `last_event_id` (less the
+/// margin), or, for a new stream, `ready` with the id to resume from.
+async fn replay(
+    pool: &PgPool,
+    tenant: &Tenant,
+    last_event_id: Option<i64>,
+    out: &mpsc::Sender<Bytes>,
+) -> Result<(), sqlx::Error> {
+    let now = event_id(OffsetDateTime::now_utc());
+    let Some(last) = last_event_id else {
+        let _ = out.send(frame("ready", Some(now), "{}")).await;
+        return Ok(());
+    };
+    let since = OffsetDateTime::from_unix_timestamp_nanos(i128::from(last) * 1000)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+        - RESUME_MARGIN;
+    let changed: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT task_id FROM task_changes WHERE tenant = $1 AND changed_at > $2 ORDER BY changed_at LIMIT $3",
+    )
+    .bind(tenant.as_str())
+    .bind(since)
+    .bind(REPLAY_LIMIT + 1)
+    .fetch_all(pool)
+    .await?;
+    if changed.len() as i64 > REPLAY_LIMIT {
+        let _ = out.send(frame("reset", Some(now), "{}")).await;
+        return Ok(());
+    }
+    for task_id in changed {
+        if let Some(frame) = task_frame(pool, tenant, TaskId::from_uuid(task_id)).await?
+            && out.send(frame).await.is_err()
+        {
+            return Ok(());
+        }
+    }
+    let _ = out.send(frame("ready", None, "{}")).await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_is_one_server_sent_event() {
+        assert_eq!(frame("task", Some(42), r#"{"a":1}"#), Bytes::from("id: 42\nevent: task\ndata: {\"a\":1}\n\n"));
+        assert_eq!(frame("reset", None, "{}"), Bytes::from("event: reset\ndata: {}\n\n"));
+    }
+}

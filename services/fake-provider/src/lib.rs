@@ -118,6 +118,12 @@ pub struct Rule {
     /// getting slower), up to `latency_max_ms`.
     pub latency_step_ms: Option<u64>,
     pub latency_max_ms: Option<u64>,
+    /// A limit on work running at once: the rule applies only to a request that
+    /// arrives while this many operations are being answered (see `latency_ms`).
+    pub max_in_flight: Option<u32>,
+    /// A limit on work started per second (a sliding window of one second): the
+    /// rule applies only to a request beyond it.
+    pub max_per_second: Option<u32>,
     pub times: Option<u32>,
     /// Matching requests seen, for `share`.
     #[serde(skip)]
@@ -130,12 +136,26 @@ impl Rule {
             && self.operation.as_deref().is_none_or(|o| o == operation)
             && self.operation_key.as_deref().is_none_or(|k| Some(k) == key)
     }
+
+    /// Whether a limit rule applies: the request would exceed one of its limits.
+    /// A rule without limits is not a limit rule and always applies.
+    fn over_limit(&self, state: &State, now: tokio::time::Instant) -> bool {
+        if self.max_in_flight.is_none() && self.max_per_second.is_none() {
+            return true;
+        }
+        let busy = self.max_in_flight.is_some_and(|limit| state.in_flight >= limit);
+        let window = now.checked_sub(Duration::from_secs(1));
+        let started = state.started.iter().filter(|at| window.is_none_or(|w| **at > w)).count();
+        busy || self.max_per_second.is_some_and(|limit| started >= limit as usize)
+    }
 }
 
 /// One call as the provider received it: the truth about what happened.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Call {
     pub seq: u64,
+    /// When the request arrived, in microseconds since the Unix epoch.
+    pub received_at_us: i64,
     pub operation: String,
     pub operation_key: Option<String>,
     /// The input the call carried, as received.
@@ -187,6 +207,28 @@ struct State {
     operations: HashMap<String, Operation>,
     by_key: HashMap<String, String>,
     rules: Vec<Rule>,
+    /// Operations being answered now (registered, answer not yet sent).
+    in_flight: u32,
+    /// When work was last started, the last second's worth (for `max_per_second`).
+    started: std::collections::VecDeque<tokio::time::Instant>,
+}
+
+/// A request counted in flight (when `counted`), until dropped: answered or abandoned.
+struct InFlight(Option<Shared>);
+
+impl InFlight {
+    fn counted(shared: &Shared, counted: bool) -> Self {
+        Self(counted.then(|| shared.clone()))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(shared) = &self.0 {
+            let mut state = shared.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -211,6 +253,18 @@ impl Shared {
         key: Option<&str>,
         applies: impl Fn(&State, &Rule) -> bool,
     ) -> Rule {
+        self.take_rule_then(on, operation, key, applies, |_, _| {})
+    }
+
+    /// As [`Shared::take_rule`], then `then` with the rule taken, under the same lock.
+    fn take_rule_then(
+        &self,
+        on: Target,
+        operation: &str,
+        key: Option<&str>,
+        applies: impl Fn(&State, &Rule) -> bool,
+        then: impl FnOnce(&mut State, &Rule),
+    ) -> Rule {
         let mut state = self.lock();
         let mut found = None;
         for i in 0..state.rules.len() {
@@ -229,7 +283,7 @@ impl Shared {
             found = Some(i);
             break;
         }
-        found
+        let rule = found
             .map(|i| {
                 let rule = state.rules[i].clone();
                 if let Some(step) = rule.latency_step_ms {
@@ -244,7 +298,9 @@ impl Shared {
                 }
                 rule
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        then(&mut state, &rule);
+        rule
     }
 
     /// The base URL of the other host, as a caller that reached `req` names it.
@@ -339,23 +395,44 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         return problem(400, "body must be {\"operation\": ..., \"input\": ...}");
     };
     let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    // A conflict rule applies only while an operation with this key is running.
-    let rule = shared.take_rule(Target::Start, &start.operation, key.as_deref(), |state, rule| {
-        !rule.conflict_while_running
-            || key
-                .as_ref()
-                .and_then(|k| state.by_key.get(k))
-                .and_then(|id| state.operations.get(id))
-                .is_some_and(Operation::running)
-    });
-    let received_at_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let received_at_us = unix_micros();
+    let received_at_ms = u64::try_from(received_at_us / 1_000).unwrap_or(0);
+    let arrived = tokio::time::Instant::now();
+    // A conflict rule applies only while an operation with this key is running, a
+    // limit rule only beyond its limit. A request no limit refused counts against
+    // the limits at once, under the lock that judged it, so two requests cannot
+    // both take the last place.
+    let rule = shared.take_rule_then(
+        Target::Start,
+        &start.operation,
+        key.as_deref(),
+        |state, rule| {
+            (!rule.conflict_while_running
+                || key
+                    .as_ref()
+                    .and_then(|k| state.by_key.get(k))
+                    .and_then(|id| state.operations.get(id))
+                    .is_some_and(Operation::running))
+                && rule.over_limit(state, arrived)
+        },
+        |state, rule| {
+            if rule.max_in_flight.is_none() && rule.max_per_second.is_none() {
+                state.in_flight += 1;
+                let window = arrived.checked_sub(Duration::from_secs(1));
+                while state.started.front().is_some_and(|at| window.is_some_and(|w| *at <= w)) {
+                    state.started.pop_front();
+                }
+                state.started.push_back(arrived);
+            }
+        },
+    );
+    let _in_flight = InFlight::counted(&shared, rule.max_in_flight.is_none() && rule.max_per_second.is_none());
     let record = |outcome: &str, request_id: Option<String>, charged: bool| {
         let mut state = shared.lock();
         let seq = state.calls.len() as u64 + 1;
         state.calls.push(Call {
             seq,
+            received_at_us,
             operation: start.operation.clone(),
             operation_key: key.clone(),
             input: start.input.clone(),
@@ -380,9 +457,10 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         tracing::warn!("fake provider exits on a rule");
         std::process::abort();
     }
-    if let Some(status) = rule.status {
+    let limited = rule.max_in_flight.is_some() || rule.max_per_second.is_some();
+    if let Some(status) = rule.status.or(limited.then_some(429)) {
         record(&format!("status:{status}"), None, false);
-        return scripted(&rule, status, "scripted");
+        return scripted(&rule, status, if limited { "over the provider's limit" } else { "scripted" });
     }
     if rule.hang {
         record("hang", None, false);
@@ -459,6 +537,13 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
     } else {
         HttpResponse::Ok().json(answer(&req, &shared, &op, done))
     }
+}
+
+/// Now, in microseconds since the Unix epoch.
+fn unix_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
 /// What a poll or artifact rule scripts before the normal answer, if anything.

@@ -426,3 +426,53 @@ async fn artifacts_may_live_on_another_host_behind_a_redirect_or_fail_to_downloa
     assert_eq!((status, sha(&bytes)), (200, sum), "the second one works");
     assert_eq!(ledger_total(&p).await, 12, "downloads are free");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_answer_429_beyond_the_calls_running_at_once_and_per_second_and_calls_carry_their_time() {
+    let p = start(Capabilities::default()).await;
+    rule(&p, json!({"max_in_flight": 2, "retry_after_s": 1})).await;
+    rule(&p, json!({"latency_ms": 600})).await;
+    let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_micros();
+    let racing: Vec<_> = (0..4)
+        .map(|n| {
+            let base = p.base.clone();
+            tokio::spawn(async move {
+                send(
+                    "POST",
+                    format!("{base}/v1/operations"),
+                    Some(&format!("k{n}")),
+                    Some(json!({"operation": "render", "input": {}})),
+                    T,
+                )
+                .await
+                .expect("answer")
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for answer in racing {
+        let (status, retry_after, _) = answer.await.expect("client");
+        if status == 429 {
+            assert_eq!(retry_after.as_deref(), Some("1"));
+        }
+        statuses.push(status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 200, 429, 429], "two run at once, the others are refused");
+    assert_eq!(ledger_total(&p).await, 8, "only the two that ran are charged");
+    // Once they are answered there is room again.
+    assert_eq!(operate(&p, "k9").await.expect("answer").0, 200);
+    let logged = calls(&p, "k0").await;
+    let at = logged[0]["received_at_us"].as_i64().expect("the call's time");
+    assert!(at as u128 >= before && (at as u128) < before + 5_000_000, "received_at_us is the arrival: {at}");
+
+    let q = start(Capabilities::default()).await;
+    rule(&q, json!({"max_per_second": 3, "status": 429})).await;
+    let mut answered = Vec::new();
+    for n in 0..5 {
+        answered.push(operate(&q, &format!("r{n}")).await.expect("answer").0);
+    }
+    assert_eq!(answered, vec![200, 200, 200, 429, 429], "three per second");
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(operate(&q, "r9").await.expect("answer").0, 200, "a second later there is room");
+}

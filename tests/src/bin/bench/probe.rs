@@ -1,0 +1,295 @@
+//! What the benchmark reads from the running system: each task's instants where they
+//! are recorded (the scheduler's outbox for grants, the fake provider's call log for
+//! calls, intake's read model for `succeeded`), Postgres commits, Kafka records, and
+//! the memory and CPU of every process.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use fenceline_events::Event;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use serde_json::{Value, json};
+
+/// Each task's first grant, in microseconds since the epoch: `granted_at` of the
+/// `AttemptGranted` events in the scheduler's outbox, the grant's durable record.
+pub async fn grants(pool: &sqlx::PgPool) -> HashMap<String, i64> {
+    let rows: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT payload FROM scheduler.outbox WHERE event_type = 'AttemptGranted'")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    let mut first = HashMap::new();
+    for payload in rows {
+        if let Ok(Event::AttemptGranted(grant)) = fenceline_events::decode(&payload) {
+            let at = first.entry(grant.task_id.to_string()).or_insert(i64::MAX);
+            *at = (*at).min(grant.granted_at.0);
+        }
+    }
+    first
+}
+
+/// When each task reached `succeeded`, as intake's read model holds it (the
+/// status's own time, the scheduler's decision), in microseconds since the epoch.
+pub async fn succeeded(pool: &sqlx::PgPool) -> HashMap<String, i64> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT task_id::text, (extract(epoch FROM updated_at) * 1e6)::bigint FROM intake.task_view \
+         WHERE state = 'succeeded'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    rows.into_iter().collect()
+}
+
+/// The calls a fake provider received for a run's tasks: the `bench` tag their
+/// input carries (`input.task.bench`), with the arrival time, operation, outcome
+/// and whether it was charged.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub tag: String,
+    pub operation: String,
+    pub received_at_us: i64,
+    pub outcome: String,
+    pub charged: bool,
+}
+
+pub async fn calls(provider: &fenceline_tests::system::FakeProvider) -> Vec<Call> {
+    provider
+        .calls()
+        .await
+        .iter()
+        .filter_map(|call| {
+            Some(Call {
+                tag: call["input"]["task"]["bench"].as_str()?.to_owned(),
+                operation: call["operation"].as_str().unwrap_or_default().to_owned(),
+                received_at_us: call["received_at_us"].as_i64()?,
+                outcome: call["outcome"].as_str().unwrap_or_default().to_owned(),
+                charged: call["charged"].as_bool().unwrap_or(false),
+            })
+        })
+        .collect()
+}
+
+/// Transactions committed in database `name` so far (`pg_stat_database`), read
+/// through `admin`, a connection to another database, so that reading it commits
+/// nothing in `name`. Backends report their counts at most every second while busy.
+pub async fn commits(admin: &sqlx::PgPool, name: &str) -> i64 {
+    sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
+        .bind(name)
+        .fetch_one(admin)
+        .await
+        .unwrap_or(0)
+}
+
+/// Rows written in `schema` so far (inserted, updated, deleted: `pg_stat_user_tables`).
+pub async fn row_writes(pool: &sqlx::PgPool, schema: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint FROM pg_stat_user_tables \
+         WHERE schemaname = $1",
+    )
+    .bind(schema)
+    .fetch_one(pool)
+    .await
+    .unwrap_or(0)
+}
+
+/// The sum of the end offsets of every partition of the topics under `prefix`:
+/// records written to them so far.
+pub async fn kafka_records(brokers: String, prefix: String) -> i64 {
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = match rdkafka::ClientConfig::new().set("bootstrap.servers", &brokers).create() {
+            Ok(consumer) => consumer,
+            Err(_) => return 0,
+        };
+        let Ok(metadata) = consumer.fetch_metadata(None, Duration::from_secs(10)) else { return 0 };
+        let mut total = 0;
+        for topic in metadata.topics().iter().filter(|t| t.name().starts_with(&prefix)) {
+            for partition in topic.partitions() {
+                if let Ok((low, high)) =
+                    consumer.fetch_watermarks(topic.name(), partition.id(), Duration::from_secs(10))
+                {
+                    let _ = low;
+                    total += high;
+                }
+            }
+        }
+        total
+    })
+    .await
+    .unwrap_or(0)
+}
+
+/// A process to watch, by name; `with_children` adds its children (Postgres's
+/// backends, a Python peer's worker).
+#[derive(Debug, Clone)]
+pub struct Watched {
+    pub name: String,
+    pub pid: u32,
+    pub with_children: bool,
+}
+
+/// Resident memory (kB) and CPU time (clock ticks) of a process now.
+fn read_process(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at state (3).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((rss, utime + stime))
+}
+
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/stat")).ok().is_some_and(|stat| {
+                stat.rfind(')')
+                    .and_then(|i| stat[i + 2..].split_whitespace().nth(1).map(str::to_owned))
+                    .is_some_and(|ppid| ppid == pid.to_string())
+            })
+        })
+        .collect()
+}
+
+/// What one sample saw of a watched process: RSS in kB, CPU ticks per pid.
+fn sample(watched: &Watched) -> (u64, HashMap<u32, u64>) {
+    let mut pids = vec![watched.pid];
+    if watched.with_children {
+        pids.extend(children_of(watched.pid));
+    }
+    let mut rss = 0;
+    let mut ticks = HashMap::new();
+    for pid in pids {
+        if let Some((kb, t)) = read_process(pid) {
+            rss += kb;
+            ticks.insert(pid, t);
+        }
+    }
+    (rss, ticks)
+}
+
+/// Peak RSS and CPU seconds of each watched process over a sampled period.
+#[derive(Debug, Clone, Default)]
+pub struct Usage {
+    pub peak_rss_mb: f64,
+    pub cpu_s: f64,
+}
+
+/// Samples `watched` every 500 ms until `stop`; CPU counts what each pid used
+/// between its first and last sample (a child that lived only between two samples
+/// is missed).
+pub async fn sample_until(watched: Vec<Watched>, stop: tokio_util::sync::CancellationToken) -> HashMap<String, Usage> {
+    // Linux's USER_HZ; `getconf CLK_TCK` is 100 on every common kernel.
+    const TICKS_PER_S: f64 = 100.0;
+    let mut first: Vec<HashMap<u32, u64>> = Vec::new();
+    let mut last: Vec<HashMap<u32, u64>> = Vec::new();
+    let mut peak: Vec<u64> = vec![0; watched.len()];
+    loop {
+        for (i, w) in watched.iter().enumerate() {
+            let (rss, ticks) = sample(w);
+            peak[i] = peak[i].max(rss);
+            if first.len() <= i {
+                first.push(ticks.clone());
+                last.push(ticks);
+            } else {
+                for (pid, t) in ticks {
+                    first[i].entry(pid).or_insert(t);
+                    last[i].insert(pid, t);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.cancelled() => break,
+        }
+    }
+    watched
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let used: u64 = last
+                .get(i)
+                .map(|l| l.iter().map(|(pid, t)| t.saturating_sub(first[i].get(pid).copied().unwrap_or(*t))).sum())
+                .unwrap_or(0);
+            (w.name.clone(), Usage { peak_rss_mb: peak[i] as f64 / 1024.0, cpu_s: used as f64 / TICKS_PER_S })
+        })
+        .collect()
+}
+
+/// The Postgres server's main process (`postmaster.pid` in its data folder) and the
+/// broker's (`broker.pid`, deploy/local/broker), as the stack script started them.
+pub fn infrastructure() -> Vec<Watched> {
+    let mut out = Vec::new();
+    let read_pid = |path: std::path::PathBuf| -> Option<u32> {
+        std::fs::read_to_string(path).ok()?.lines().next()?.trim().parse().ok()
+    };
+    if let Ok(data) = std::env::var("FENCELINE_TEST_PG_DATA") {
+        let data = std::path::PathBuf::from(data);
+        if let Some(pid) = read_pid(data.join("postmaster.pid")) {
+            out.push(Watched { name: "postgres".into(), pid, with_children: true });
+        }
+        // The broker's folder is the data folder's sibling's (deploy/local/stack).
+        if let Some(pid) =
+            data.parent().and_then(|pg| pg.parent()).and_then(|dir| read_pid(dir.join("kafka/broker.pid")))
+        {
+            out.push(Watched { name: "broker".into(), pid, with_children: true });
+        }
+    }
+    out
+}
+
+pub fn usage_json(usage: &HashMap<String, Usage>, seconds: f64, tasks: u64) -> Value {
+    let mut names: Vec<&String> = usage.keys().collect();
+    names.sort();
+    Value::Object(
+        names
+            .into_iter()
+            .map(|name| {
+                let u = &usage[name];
+                (
+                    name.clone(),
+                    json!({
+                        "peak_rss_mb": round(u.peak_rss_mb, 1),
+                        "cpu_s": round(u.cpu_s, 2),
+                        "cpu_percent_of_a_core": round(100.0 * u.cpu_s / seconds.max(1e-9), 1),
+                        "cpu_ms_per_task": round(1e3 * u.cpu_s / (tasks.max(1) as f64), 3),
+                    }),
+                )
+            })
+            .collect(),
+    )
+}
+
+pub fn round(value: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    (value * scale).round() / scale
+}
+
+/// Starts counting statements afresh (`pg_stat_statements`, which the stack script
+/// preloads for the benchmark); false where the extension is not there.
+pub async fn reset_statements(admin: &sqlx::PgPool) -> bool {
+    let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(admin).await;
+    sqlx::query("SELECT pg_stat_statements_reset()").execute(admin).await.is_ok()
+}
+
+/// The statements database `name` ran most often since the reset: (calls, text).
+pub async fn top_statements(admin: &sqlx::PgPool, name: &str, limit: i64) -> Vec<(i64, String)> {
+    sqlx::query_as(
+        "SELECT s.calls::bigint, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 140) FROM pg_stat_statements s \
+         JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1 ORDER BY s.calls DESC LIMIT $2",
+    )
+    .bind(name)
+    .bind(limit)
+    .fetch_all(admin)
+    .await
+    .unwrap_or_default()
+}

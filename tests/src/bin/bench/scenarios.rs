@@ -1,0 +1,788 @@
+//! The benchmark's scenarios, each on systems of its own: sustained throughput,
+//! latency at fixed offered loads, executor instances, the pgqueuer peer, the
+//! support tickets against a limited provider, and a large backlog.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use fenceline_events::{TaskAccepted, Timestamp};
+use fenceline_tests::system::{Caps, System};
+use serde_json::{Value, json};
+
+use crate::load::{self, Pace, Submission, Target};
+use crate::probe::{self, Watched, round};
+use crate::{list_setting, median_of, setting};
+
+/// The one-step kind and the three-step kind every system's catalogue holds.
+pub const ONE_STEP: &str = "image.generate";
+pub const THREE_STEP: &str = "ticket.reply";
+const PROVIDER: &str = "gen";
+const TENANT: &str = "bench";
+
+/// Every setting, from the environment (docs/performance.md lists them).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub runs: u64,
+    pub seconds: u64,
+    pub window: u64,
+    pub clients: u64,
+    pub load_seconds: u64,
+    pub loads: Vec<u64>,
+    pub executors: Vec<u64>,
+    pub executor_seconds: u64,
+    pub drain_seconds: u64,
+    pub tickets: u64,
+    pub ticket_concurrency: Vec<u64>,
+    pub ticket_latency_ms: u64,
+    pub ticket_provider_in_flight: u64,
+    pub ticket_provider_per_second: u64,
+    pub backlog_waiting: u64,
+    pub backlog_finished: u64,
+    pub backlog_seconds: u64,
+}
+
+impl Settings {
+    pub fn from_env() -> Self {
+        Self {
+            runs: setting("BENCH_RUNS", 3).max(1),
+            seconds: setting("BENCH_SECONDS", 60).max(4),
+            window: setting("BENCH_WINDOW", 400).max(1),
+            clients: setting("BENCH_CLIENTS", 32).max(1),
+            load_seconds: setting("BENCH_LOAD_SECONDS", 10).max(2),
+            loads: list_setting("BENCH_LOADS", &[50, 200, 500, 1000]),
+            executors: list_setting("BENCH_EXECUTORS", &[1, 2, 4]),
+            executor_seconds: setting("BENCH_EXECUTOR_SECONDS", 20).max(4),
+            drain_seconds: setting("BENCH_DRAIN_SECONDS", 30),
+            tickets: setting("BENCH_TICKETS", 30).max(1),
+            ticket_concurrency: list_setting("BENCH_TICKET_CONCURRENCY", &[2, 8]),
+            ticket_latency_ms: setting("BENCH_TICKET_LATENCY_MS", 500),
+            ticket_provider_in_flight: setting("BENCH_TICKET_PROVIDER_IN_FLIGHT", 2),
+            ticket_provider_per_second: setting("BENCH_TICKET_PROVIDER_PER_SECOND", 5),
+            backlog_waiting: setting("BENCH_BACKLOG_WAITING", 10_000),
+            backlog_finished: setting("BENCH_BACKLOG_FINISHED", 100_000),
+            backlog_seconds: setting("BENCH_BACKLOG_SECONDS", 20).max(4),
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        json!({
+            "BENCH_RUNS": self.runs, "BENCH_SECONDS": self.seconds, "BENCH_WINDOW": self.window,
+            "BENCH_CLIENTS": self.clients, "BENCH_LOAD_SECONDS": self.load_seconds, "BENCH_LOADS": self.loads,
+            "BENCH_EXECUTORS": self.executors, "BENCH_EXECUTOR_SECONDS": self.executor_seconds,
+            "BENCH_DRAIN_SECONDS": self.drain_seconds, "BENCH_TICKETS": self.tickets,
+            "BENCH_TICKET_CONCURRENCY": self.ticket_concurrency, "BENCH_TICKET_LATENCY_MS": self.ticket_latency_ms,
+            "BENCH_TICKET_PROVIDER_IN_FLIGHT": self.ticket_provider_in_flight,
+            "BENCH_TICKET_PROVIDER_PER_SECOND": self.ticket_provider_per_second,
+            "BENCH_BACKLOG_WAITING": self.backlog_waiting, "BENCH_BACKLOG_FINISHED": self.backlog_finished,
+            "BENCH_BACKLOG_SECONDS": self.backlog_seconds,
+        })
+    }
+}
+
+/// The services, each of which the benchmark gives a database of its own on the
+/// same server (they never read each other's schemas), so that Postgres counts the
+/// commits of each apart.
+const SERVICES: [&str; 4] = ["intake", "scheduler", "executor", "reconciler"];
+
+/// A running system for the benchmark: intake, scheduler, reconciler and
+/// `executors` executors as processes, with the services' documented defaults (not
+/// the test suites' short timings), and a token of the benchmark's tenant.
+struct Bench {
+    system: System,
+    token: String,
+    /// A connection to the server's maintenance database, to read statistics
+    /// without committing in the measured ones.
+    admin: sqlx::PgPool,
+    /// Each service's database (name, pool); intake's is the system's own.
+    databases: HashMap<&'static str, (String, sqlx::PgPool)>,
+}
+
+impl Bench {
+    async fn start(executors: u64, caps: Caps, limits: (u32, f64)) -> Self {
+        let mut system = System::new(&[(PROVIDER, caps)]).await;
+        system.set_kinds(json!({
+            ONE_STEP: {"steps": [{"name": "render", "provider": PROVIDER}],
+                       "max_attempts": 4, "attempt_budget_ms": 120_000},
+            THREE_STEP: {"steps": [{"name": "classify", "provider": PROVIDER},
+                                   {"name": "draft", "provider": PROVIDER},
+                                   {"name": "reply", "provider": PROVIDER}],
+                         "max_attempts": 4, "attempt_budget_ms": 120_000}
+        }));
+        system.set_provider_limits(PROVIDER, limits.0, limits.1, limits.1);
+        // The documented defaults, not the suites' short leases and polls.
+        system.env.retain(|(name, _)| {
+            matches!(
+                *name,
+                "FENCELINE_DATABASE_URL" | "FENCELINE_KAFKA_BROKERS" | "FENCELINE_TOPIC_PREFIX" | "FENCELINE_CATALOG"
+            )
+        });
+        system.env.push(("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())));
+        let admin = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&fenceline_tests::admin_database_url())
+            .await
+            .expect("the maintenance database");
+        let (server, intake_db) = system.url.rsplit_once('/').map(|(a, b)| (a.to_owned(), b.to_owned())).expect("URL");
+        let mut databases = HashMap::new();
+        for service in SERVICES {
+            let name = if service == "intake" { intake_db.clone() } else { format!("{intake_db}_{service}") };
+            if service != "intake" {
+                sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.expect("a service's database");
+            }
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(3)
+                .connect(&format!("{server}/{name}"))
+                .await
+                .expect("a service's database");
+            databases.insert(service, (name, pool));
+        }
+        let url_of = |service: &str| ("FENCELINE_DATABASE_URL", format!("{server}/{}", databases[service].0));
+        system
+            .spawn(
+                "intake",
+                "intake",
+                &[url_of("intake"), ("FENCELINE_INTAKE_KINDS", format!("{ONE_STEP},{THREE_STEP}"))],
+            )
+            .await;
+        system.spawn("scheduler", "scheduler", &[url_of("scheduler")]).await;
+        system.spawn("reconciler", "reconciler", &[url_of("reconciler")]).await;
+        for n in 1..=executors {
+            system.spawn(&format!("executor-{n}"), "executor", &[url_of("executor")]).await;
+        }
+        let token = system.token(TENANT).await;
+        Self { system, token, admin, databases }
+    }
+
+    /// The pool of a service's database.
+    fn pool(&self, service: &str) -> &sqlx::PgPool {
+        &self.databases[service].1
+    }
+
+    /// A system whose provider answers at once, without limits in the catalogue.
+    async fn unlimited(executors: u64) -> Self {
+        Self::start(executors, Caps::default(), (1_000_000, 1_000_000.0)).await
+    }
+
+    fn target(&self, kind: &str) -> Target {
+        Target {
+            base: self.system.url_of("intake"),
+            token: self.token.clone(),
+            kind: kind.to_owned(),
+            tag: uuid::Uuid::now_v7().simple().to_string(),
+        }
+    }
+
+    fn watched(&mut self) -> Vec<Watched> {
+        let mut watched: Vec<Watched> = self
+            .system
+            .services
+            .iter()
+            .map(|(name, proc)| Watched { name: name.clone(), pid: proc.pid(), with_children: false })
+            .collect();
+        for (name, provider) in &self.system.providers {
+            watched.push(Watched {
+                name: format!("fake-provider {name}"),
+                pid: provider.proc.pid(),
+                with_children: false,
+            });
+        }
+        watched.extend(probe::infrastructure());
+        watched
+    }
+
+    async fn snapshot(&self) -> Snapshot {
+        let mut commits = HashMap::new();
+        let mut rows = HashMap::new();
+        for service in SERVICES {
+            let (name, pool) = &self.databases[service];
+            commits.insert(service, probe::commits(&self.admin, name).await);
+            rows.insert(service, probe::row_writes(pool, service).await);
+        }
+        Snapshot {
+            at_us: load::unix_us(),
+            commits,
+            records: probe::kafka_records(self.system.brokers.clone(), self.system.prefix.clone()).await,
+            rows,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Snapshot {
+    at_us: i64,
+    /// Per service: transactions committed in its database.
+    commits: HashMap<&'static str, i64>,
+    records: i64,
+    /// Per service: rows written in its schema.
+    rows: HashMap<&'static str, i64>,
+}
+
+/// p50, p99 and p99.9 of `values` (milliseconds) and how many there were.
+fn percentiles(mut values: Vec<f64>) -> Value {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        if values.is_empty() {
+            Value::Null
+        } else {
+            json!(round(values[(((values.len() - 1) as f64) * q).round() as usize], 2))
+        }
+    };
+    json!({"p50": at(0.50), "p99": at(0.99), "p99_9": at(0.999), "n": values.len()})
+}
+
+/// One measured period on a running system, and what it showed.
+async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, settings: &Settings) -> Value {
+    let target = bench.target(kind);
+    let finished = Arc::new(AtomicU64::new(0));
+    let monitor_queries = Arc::new(AtomicU64::new(0));
+    let stop_counting = tokio_util::sync::CancellationToken::new();
+    let counter = tokio::spawn(load::count_finished(
+        bench.pool("intake").clone(),
+        finished.clone(),
+        monitor_queries.clone(),
+        stop_counting.clone(),
+    ));
+    let pace = match pace {
+        PaceSpec::Open(rate) => Pace::Open { rate: rate as f64 },
+        PaceSpec::Window(in_flight) => Pace::Window { in_flight, finished: finished.clone() },
+    };
+    // The first part of the period warms up; figures per task come from the rest.
+    let warmup = (seconds as f64 / 4.0).min(5.0);
+    let clients = match pace {
+        Pace::Open { rate } => (rate / 10.0).clamp(4.0, settings.clients as f64) as usize,
+        Pace::Window { .. } => settings.clients as usize,
+    };
+    let limit = u64::MAX;
+    let driving = {
+        let (target, pace) = (target.clone(), pace.clone());
+        tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, limit, clients))
+    };
+    tokio::time::sleep(Duration::from_secs_f64(warmup)).await;
+    let counting_statements = probe::reset_statements(&bench.admin).await;
+    let first = bench.snapshot().await;
+    let queries_first = monitor_queries.load(Ordering::Relaxed);
+    let stop_sampling = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn(probe::sample_until(bench.watched(), stop_sampling.clone()));
+    let submissions: Vec<Submission> = driving.await.unwrap_or_default();
+    let last = bench.snapshot().await;
+    let queries_last = monitor_queries.load(Ordering::Relaxed);
+    let mut statements = HashMap::new();
+    if counting_statements {
+        for service in SERVICES {
+            statements.insert(service, probe::top_statements(&bench.admin, &bench.databases[service].0, 8).await);
+        }
+    }
+    stop_sampling.cancel();
+    let usage = sampler.await.unwrap_or_default();
+    let accepted = submissions.iter().filter(|s| s.accepted).count() as u64;
+    // Drain: wait until every accepted task succeeded, within the limit.
+    let drain_until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds);
+    while finished.load(Ordering::Relaxed) < accepted && tokio::time::Instant::now() < drain_until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop_counting.cancel();
+    let _ = counter.await;
+    let mut figures = figures(bench, &target, &submissions, &first, &last, queries_last - queries_first, &usage).await;
+    // The statements each service ran most often, per task of the window.
+    let tasks = figures["throughput_per_s"].as_f64().unwrap_or(0.0) * figures["window_s"].as_f64().unwrap_or(0.0);
+    let mut top = serde_json::Map::new();
+    for (service, rows) in statements {
+        let listed: Vec<Value> =
+            rows.into_iter().map(|(calls, query)| json!([round(calls as f64 / tasks.max(1.0), 2), query])).collect();
+        top.insert(service.to_owned(), Value::Array(listed));
+    }
+    figures["top_statements_per_task"] = Value::Object(top);
+    figures
+}
+
+#[derive(Debug, Clone, Copy)]
+enum PaceSpec {
+    Open(u64),
+    Window(u64),
+}
+
+async fn figures(
+    bench: &Bench,
+    target: &Target,
+    submissions: &[Submission],
+    first: &Snapshot,
+    last: &Snapshot,
+    monitor_queries: u64,
+    usage: &HashMap<String, probe::Usage>,
+) -> Value {
+    let grants = probe::grants(bench.pool("scheduler")).await;
+    let succeeded = probe::succeeded(bench.pool("intake")).await;
+    let mut first_call: HashMap<String, i64> = HashMap::new();
+    for call in probe::calls(bench.system.provider(PROVIDER)).await {
+        let at = first_call.entry(call.tag).or_insert(i64::MAX);
+        *at = (*at).min(call.received_at_us);
+    }
+    let (mut answered, mut granted, mut called, mut done) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut in_window = 0u64;
+    let mut unfinished = 0u64;
+    for s in submissions.iter().filter(|s| s.accepted) {
+        let ms = |at: i64| (at - s.due_us) as f64 / 1e3;
+        answered.push(ms(s.answered_us));
+        let id = s.task_id.clone().unwrap_or_default();
+        if let Some(at) = grants.get(&id) {
+            granted.push(ms(*at));
+        }
+        if let Some(at) = first_call.get(&format!("{}-{}", target.tag, s.index)) {
+            called.push(ms(*at));
+        }
+        match succeeded.get(&id) {
+            Some(at) => {
+                done.push(ms(*at));
+                if (first.at_us..=last.at_us).contains(at) {
+                    in_window += 1;
+                }
+            }
+            None => unfinished += 1,
+        }
+    }
+    let grants_in_window = submissions
+        .iter()
+        .filter_map(|s| grants.get(s.task_id.as_deref().unwrap_or_default()))
+        .filter(|at| (first.at_us..=last.at_us).contains(*at))
+        .count();
+    let window_s = (last.at_us - first.at_us) as f64 / 1e6;
+    let per_task = |value: f64| if in_window == 0 { Value::Null } else { json!(round(value / in_window as f64, 2)) };
+    let mut rows = serde_json::Map::new();
+    let mut commits = serde_json::Map::new();
+    let mut all_commits = 0.0;
+    for service in SERVICES {
+        let delta = |before: &HashMap<&'static str, i64>, after: &HashMap<&'static str, i64>| {
+            (after.get(service).copied().unwrap_or(0) - before.get(service).copied().unwrap_or(0)) as f64
+        };
+        rows.insert(service.to_owned(), per_task(delta(&first.rows, &last.rows)));
+        // The benchmark's own counting queries run in intake's database.
+        let own = if service == "intake" { monitor_queries as f64 } else { 0.0 };
+        let committed = delta(&first.commits, &last.commits) - own;
+        all_commits += committed;
+        commits.insert(service.to_owned(), per_task(committed));
+    }
+    json!({
+        "accepted": submissions.iter().filter(|s| s.accepted).count(),
+        "refused": submissions.iter().filter(|s| !s.accepted).count(),
+        "unfinished": unfinished,
+        "submitted_per_s": round(
+            submissions.len() as f64 / ((submissions.last().map_or(0, |s| s.due_us) - submissions.first().map_or(0, |s| s.due_us)) as f64 / 1e6).max(1e-9), 1),
+        "throughput_per_s": round(in_window as f64 / window_s.max(1e-9), 1),
+        "grants_per_s": round(grants_in_window as f64 / window_s.max(1e-9), 1),
+        "latency_ms": {
+            "submit_answered": percentiles(answered),
+            "submit_to_grant": percentiles(granted),
+            "submit_to_provider_call": percentiles(called),
+            "submit_to_succeeded": percentiles(done),
+        },
+        "postgres_commits_per_task": per_task(all_commits),
+        "postgres_commits_per_task_by_service": commits,
+        "kafka_records_per_task": per_task((last.records - first.records) as f64),
+        "row_writes_per_task": rows,
+        "processes": probe::usage_json(usage, window_s, in_window),
+        "window_s": round(window_s, 1),
+        "load_average": crate::load_average(),
+    })
+}
+
+fn line(label: &str, f: &Value) {
+    let l = &f["latency_ms"];
+    let p = |stage: &str, q: &str| l[stage][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.1}"));
+    println!(
+        "  {label:<24} {:>7} tasks/s  submit p50/p99/p99.9 {}/{}/{} ms  grant {}/{}/{}  call {}/{}/{}  succeeded {}/{}/{}  \
+         commits/task {}  records/task {}  unfinished {}",
+        f["throughput_per_s"],
+        p("submit_answered", "p50"),
+        p("submit_answered", "p99"),
+        p("submit_answered", "p99_9"),
+        p("submit_to_grant", "p50"),
+        p("submit_to_grant", "p99"),
+        p("submit_to_grant", "p99_9"),
+        p("submit_to_provider_call", "p50"),
+        p("submit_to_provider_call", "p99"),
+        p("submit_to_provider_call", "p99_9"),
+        p("submit_to_succeeded", "p50"),
+        p("submit_to_succeeded", "p99"),
+        p("submit_to_succeeded", "p99_9"),
+        f["postgres_commits_per_task"],
+        f["kafka_records_per_task"],
+        f["unfinished"],
+    );
+}
+
+/// Runs `one` `settings.runs` times, printing each run and the median.
+async fn repeated<F, Fut>(label: &str, settings: &Settings, mut one: F) -> Value
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = Value>,
+{
+    let mut runs = Vec::new();
+    for run in 1..=settings.runs {
+        let figures = one(run).await;
+        line(&format!("{label} run {run}"), &figures);
+        runs.push(figures);
+    }
+    summarised(label, runs)
+}
+
+/// The runs and their median, printed.
+fn summarised(label: &str, runs: Vec<Value>) -> Value {
+    let median = median_of(&runs);
+    line(&format!("{label} median"), &median);
+    json!({"median": median, "runs": runs})
+}
+
+/// Sustained end-to-end throughput of each kind: a closed loop holding
+/// `BENCH_WINDOW` tasks between submit and `succeeded` for `BENCH_SECONDS`.
+pub async fn throughput(settings: &Settings) -> Value {
+    let mut out = serde_json::Map::new();
+    for kind in [ONE_STEP, THREE_STEP] {
+        let figures = repeated(kind, settings, |_| async {
+            let mut bench = Bench::unlimited(1).await;
+            measure(&mut bench, kind, PaceSpec::Window(settings.window), settings.seconds, settings).await
+        })
+        .await;
+        out.insert(kind.to_owned(), figures);
+    }
+    Value::Object(out)
+}
+
+/// Latency at fixed offered loads (open loop) of the one-step kind, and at
+/// saturation (the closed loop of [`throughput`]).
+pub async fn loads(settings: &Settings) -> Value {
+    let mut out = serde_json::Map::new();
+    for rate in &settings.loads {
+        let figures = repeated(&format!("{rate} tasks/s"), settings, |_| async {
+            let mut bench = Bench::unlimited(1).await;
+            measure(&mut bench, ONE_STEP, PaceSpec::Open(*rate), settings.load_seconds, settings).await
+        })
+        .await;
+        out.insert(rate.to_string(), figures);
+    }
+    let figures = repeated("saturation", settings, |_| async {
+        let mut bench = Bench::unlimited(1).await;
+        measure(&mut bench, ONE_STEP, PaceSpec::Window(settings.window), settings.load_seconds, settings).await
+    })
+    .await;
+    out.insert("saturation".into(), figures);
+    Value::Object(out)
+}
+
+/// Throughput with 1, 2 and 4 executor processes.
+pub async fn executors(settings: &Settings) -> Value {
+    let mut out = serde_json::Map::new();
+    for count in &settings.executors {
+        let figures = repeated(&format!("{count} executor(s)"), settings, |_| async {
+            let mut bench = Bench::unlimited(*count).await;
+            measure(&mut bench, ONE_STEP, PaceSpec::Window(settings.window), settings.executor_seconds, settings).await
+        })
+        .await;
+        out.insert(count.to_string(), figures);
+    }
+    Value::Object(out)
+}
+
+/// The peer, pgqueuer, on the same Postgres server (a database of its own), doing
+/// the same no-op work with the same window of jobs in flight, run by
+/// tests/python/bench/pgqueuer_peer.py in the venv the stack script manages.
+pub async fn peer(settings: &Settings) -> Value {
+    let Ok(python) = std::env::var("FENCELINE_BENCH_PYTHON") else {
+        println!("  FENCELINE_BENCH_PYTHON is not set: run through deploy/local/stack bench");
+        return Value::Null;
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/bench/pgqueuer_peer.py");
+    let mut runs = Vec::new();
+    for run in 1..=settings.runs {
+        let dsn = fenceline_tests::fresh_database().await;
+        let child = tokio::process::Command::new(&python)
+            .arg(&script)
+            .args(["--dsn", &dsn, "--seconds", &settings.seconds.to_string()])
+            .args(["--clients", &settings.clients.min(16).to_string(), "--window", &settings.window.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn();
+        let Ok(child) = child else {
+            println!("  {python} did not start");
+            return Value::Null;
+        };
+        let mut watched = probe::infrastructure();
+        watched.retain(|w| w.name == "postgres");
+        if let Some(pid) = child.id() {
+            watched.push(Watched { name: "pgqueuer (clients and worker)".into(), pid, with_children: true });
+        }
+        let stop = tokio_util::sync::CancellationToken::new();
+        let sampler = tokio::spawn(probe::sample_until(watched, stop.clone()));
+        let output = child.wait_with_output().await;
+        stop.cancel();
+        let usage = sampler.await.unwrap_or_default();
+        let Ok(output) = output else { return Value::Null };
+        let text = String::from_utf8_lossy(&output.stdout);
+        let Some(mut figures) = text.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()) else {
+            println!("  pgqueuer printed no figures: {text}");
+            return Value::Null;
+        };
+        let done = figures["done"].as_u64().unwrap_or(0);
+        figures["processes"] = probe::usage_json(&usage, settings.seconds as f64, done);
+        figures["load_average"] = json!(crate::load_average());
+        println!(
+            "  pgqueuer run {run}: {:.1} jobs/s  enqueue p50/p99 {}/{} ms  end to end p50/p99/p99.9 {}/{}/{} ms  commits/job {:.2}",
+            figures["sustained_per_s"].as_f64().unwrap_or(0.0),
+            figures["enqueue_ms"]["p50"],
+            figures["enqueue_ms"]["p99"],
+            figures["end_to_end_ms"]["p50"],
+            figures["end_to_end_ms"]["p99"],
+            figures["end_to_end_ms"]["p999"],
+            figures["commits_per_job"].as_f64().unwrap_or(0.0),
+        );
+        runs.push(figures);
+    }
+    let median = median_of(&runs);
+    println!("  pgqueuer median: {:.1} jobs/s", median["sustained_per_s"].as_f64().unwrap_or(0.0));
+    json!({"median": median, "runs": runs})
+}
+
+/// 30 support tickets through the three-step kind against a provider that lets 2
+/// calls run at once and a few start per second (answering 429 beyond), with the
+/// catalogue offering it 2 and then 8 calls at once: the 429s its log shows, the
+/// time to finish them all, and that none was lost or charged twice.
+pub async fn tickets(settings: &Settings) -> Value {
+    let mut out = serde_json::Map::new();
+    for concurrency in &settings.ticket_concurrency {
+        let mut runs = Vec::new();
+        for run in 1..=settings.runs {
+            let caps = Caps { idempotency_keys: true, lookup: true, async_results: false };
+            // The catalogue's rate is generous: only its concurrency is being compared.
+            let bench = Bench::start(1, caps, (*concurrency as u32, 50.0)).await;
+            let provider = bench.system.provider(PROVIDER);
+            provider
+                .rule(json!({"max_in_flight": settings.ticket_provider_in_flight,
+                             "max_per_second": settings.ticket_provider_per_second, "retry_after_s": 1}))
+                .await;
+            provider.rule(json!({"latency_ms": settings.ticket_latency_ms})).await;
+            let target = bench.target(THREE_STEP);
+            let count = settings.tickets;
+            let submitted = {
+                let target = target.clone();
+                tokio::task::spawn_blocking(move || load::drive(&target, &Pace::Open { rate: 1000.0 }, 10.0, count, 4))
+                    .await
+                    .unwrap_or_default()
+            };
+            let started = submitted.first().map_or(load::unix_us(), |s| s.due_us);
+            let ids: Vec<String> = submitted.iter().filter_map(|s| s.task_id.clone()).collect();
+            let until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds.max(180));
+            let mut finished = HashMap::new();
+            while tokio::time::Instant::now() < until {
+                let succeeded = probe::succeeded(bench.pool("intake")).await;
+                finished = ids.iter().filter_map(|id| succeeded.get(id).map(|at| (id.clone(), *at))).collect();
+                if finished.len() == ids.len() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let calls = probe::calls(provider).await;
+            let throttled = calls.iter().filter(|c| c.outcome == "status:429").count();
+            let mut charges: HashMap<(String, String), u32> = HashMap::new();
+            for call in calls.iter().filter(|c| c.charged) {
+                *charges.entry((call.tag.clone(), call.operation.clone())).or_default() += 1;
+            }
+            let charged_twice = charges.values().filter(|n| **n > 1).count();
+            let steps_charged = charges.len();
+            let last = finished.values().copied().max().unwrap_or(started);
+            let figures = json!({
+                "tickets": count,
+                "accepted": ids.len(),
+                "succeeded": finished.len(),
+                "lost": ids.len() - finished.len() + (count as usize - ids.len()),
+                "provider_calls": calls.len(),
+                "responses_429": throttled,
+                "steps_charged": steps_charged,
+                "steps_charged_twice": charged_twice,
+                "completion_s": round((last - started) as f64 / 1e6, 2),
+                "load_average": crate::load_average(),
+            });
+            println!(
+                "  concurrency {concurrency} run {run}: {} of {} succeeded in {} s; {} calls, {} answered 429; \
+                 {} steps charged, {} charged twice",
+                figures["succeeded"],
+                count,
+                figures["completion_s"],
+                figures["provider_calls"],
+                throttled,
+                steps_charged,
+                charged_twice
+            );
+            runs.push(figures);
+        }
+        let median = median_of(&runs);
+        println!(
+            "  concurrency {concurrency} median: {} s, {} answered 429",
+            median["completion_s"], median["responses_429"]
+        );
+        out.insert(concurrency.to_string(), json!({"median": median, "runs": runs}));
+    }
+    json!({
+        "provider": {"max_in_flight": settings.ticket_provider_in_flight,
+                     "max_per_second": settings.ticket_provider_per_second,
+                     "latency_ms": settings.ticket_latency_ms, "retry_after_s": 1},
+        "by_catalogue_concurrency": out,
+    })
+}
+
+/// Submit latency and the grant rate at saturation on an empty system and on one
+/// holding a backlog: `BENCH_BACKLOG_WAITING` tasks waiting (not due for a day,
+/// taken in by the scheduler from the tasks topic) and `BENCH_BACKLOG_FINISHED`
+/// finished tasks in every service's tables (rows of real finished tasks, copied
+/// under new ids with SQL).
+pub async fn backlog(settings: &Settings) -> Value {
+    let empty = repeated("empty", settings, |_| async {
+        let mut bench = Bench::unlimited(1).await;
+        measure(&mut bench, ONE_STEP, PaceSpec::Window(settings.window), settings.backlog_seconds, settings).await
+    })
+    .await;
+    let mut bench = Bench::unlimited(1).await;
+    let began = std::time::Instant::now();
+    let filled = fill_backlog(&bench, settings).await;
+    println!("  backlog filled in {:.0} s: {filled}", began.elapsed().as_secs_f64());
+    // The runs share the filled system (filling it again each time would take long).
+    let mut runs = Vec::new();
+    for run in 1..=settings.runs {
+        let figures =
+            measure(&mut bench, ONE_STEP, PaceSpec::Window(settings.window), settings.backlog_seconds, settings).await;
+        line(&format!("backlog run {run}"), &figures);
+        runs.push(figures);
+    }
+    let with_backlog = summarised("backlog", runs);
+    json!({"empty": empty, "backlog": with_backlog, "filled": filled})
+}
+
+/// Fills a running system's tables with a backlog; returns what it wrote.
+async fn fill_backlog(bench: &Bench, settings: &Settings) -> Value {
+    let pool = bench.pool("intake");
+    // Real finished tasks as templates, run through the whole system.
+    let templates = 10u64;
+    let template_target = bench.target(ONE_STEP);
+    let submitted = tokio::task::spawn_blocking(move || {
+        load::drive(&template_target, &Pace::Open { rate: 100.0 }, 5.0, templates, 2)
+    })
+    .await
+    .unwrap_or_default();
+    let ids: Vec<uuid::Uuid> = submitted.iter().filter_map(|s| s.task_id.as_deref()?.parse().ok()).collect();
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < until {
+        let done: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM intake.task_view WHERE state = 'succeeded' AND task_id = ANY($1)")
+                .bind(&ids)
+                .fetch_one(pool)
+                .await
+                .unwrap_or(0);
+        if done as usize == ids.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Let the reconciler and intake hear the last statuses.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let copies = (settings.backlog_finished / ids.len().max(1) as u64).max(1);
+    let mut tables = serde_json::Map::new();
+    for service in SERVICES {
+        let pool = bench.pool(service);
+        let owned: Vec<String> = sqlx::query_scalar(
+            "SELECT c.table_name::text FROM information_schema.columns c \
+             JOIN information_schema.tables t USING (table_schema, table_name) \
+             WHERE c.column_name = 'task_id' AND t.table_type = 'BASE TABLE' AND c.table_schema = $1 \
+               AND c.table_name <> 'outbox' ORDER BY 1",
+        )
+        .bind(service)
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        for table in owned {
+            let written = copy_rows(pool, service, &table, &ids, copies).await;
+            tables.insert(format!("{service}.{table}"), written);
+        }
+    }
+    // The waiting tasks come the way tasks come: through the tasks topic.
+    let waiting = settings.backlog_waiting as usize;
+    let later = Timestamp::now().0 + 86_400_000_000;
+    bench
+        .system
+        .submit_many_with(TENANT, ONE_STEP, waiting, |_, accepted: &mut TaskAccepted| {
+            accepted.not_before = Some(Timestamp(later));
+        })
+        .await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(600);
+    let mut held = 0;
+    while tokio::time::Instant::now() < until {
+        held = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM scheduler.tasks WHERE due_at_us > $1")
+            .bind(later - 1_000_000)
+            .fetch_one(bench.pool("scheduler"))
+            .await
+            .unwrap_or(0);
+        if held as usize >= waiting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // As autovacuum would, eventually.
+    for service in SERVICES {
+        let _ = sqlx::query("ANALYZE").execute(bench.pool(service)).await;
+    }
+    json!({"finished_copies_of_each_template": copies, "templates": ids.len(), "rows": tables,
+           "waiting_held_by_scheduler": held})
+}
+
+/// Copies the rows of `templates` in `schema.table` `copies` times under new ids:
+/// every uuid becomes `md5(old || ':' || n)` (the same in every table, so a copied
+/// task's rows still belong together), text in a unique index gets `:n` appended,
+/// columns with a sequence default take the next value. Returns rows written, or
+/// the error.
+async fn copy_rows(pool: &sqlx::PgPool, schema: &str, table: &str, templates: &[uuid::Uuid], copies: u64) -> Value {
+    let columns: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT column_name::text, data_type::text, column_default::text FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = $2 AND is_generated = 'NEVER' ORDER BY ordinal_position",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let unique: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT a.attname::text FROM pg_index i \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+         WHERE i.indrelid = format('%I.%I', $1::text, $2::text)::regclass AND i.indisunique",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let mut names = Vec::new();
+    let mut values = Vec::new();
+    for (name, data_type, default) in &columns {
+        if default.as_deref().is_some_and(|d| d.starts_with("nextval(")) {
+            continue;
+        }
+        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+        let value = if data_type == "uuid" {
+            format!("md5({quoted}::text || ':' || n)::uuid")
+        } else if unique.contains(name) && (data_type == "text" || data_type == "character varying") {
+            format!("{quoted} || ':' || n")
+        } else {
+            quoted.clone()
+        };
+        names.push(quoted);
+        values.push(value);
+    }
+    let sql = format!(
+        "INSERT INTO \"{schema}\".\"{table}\" ({}) SELECT {} FROM \"{schema}\".\"{table}\", generate_series(1, $2) AS n \
+         WHERE task_id = ANY($1)",
+        names.join(", "),
+        values.join(", ")
+    );
+    match sqlx::query(&sql).bind(templates).bind(copies as i64).execute(pool).await {
+        Ok(done) => json!(done.rows_affected()),
+        Err(e) => json!(format!("not copied: {e}")),
+    }
+}

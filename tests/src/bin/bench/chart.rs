@@ -103,7 +103,7 @@ pub fn draw(report: &Value) -> String {
     if let Some(executors) = report["executors"].as_object() {
         for (count, figures) in executors {
             if let Some(v) = median(figures) {
-                bars.push((format!("one step\n{count} executor(s)"), v, "#76b7b2"));
+                bars.push((format!("one step\n{count} executor"), v, "#76b7b2"));
             }
         }
     }

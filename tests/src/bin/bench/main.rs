@@ -5,7 +5,8 @@
 //! `BENCH_OUT` (default `bench-results/<time>/`). Scenarios (`BENCH_SCENARIOS`,
 //! comma-separated, default all): `throughput`, `loads`, `executors`, `peer`,
 //! `tickets`, `backlog`. Run through `deploy/local/stack bench`; the settings are
-//! listed in docs/performance.md.
+//! listed in docs/performance.md. `bench chart FILE.json` draws the chart of
+//! figures written before.
 
 #![allow(clippy::print_stdout)]
 
@@ -81,6 +82,18 @@ pub fn load_average() -> String {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    // `bench chart FILE.json`: draws the chart of figures written before, on stdout.
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, command, file] = args.as_slice()
+        && command == "chart"
+    {
+        let report: Value = std::fs::read(file)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_else(|| panic!("{file} holds no figures"));
+        print!("{}", chart::draw(&report));
+        return;
+    }
     let out = std::env::var("BENCH_OUT").map(std::path::PathBuf::from).unwrap_or_else(|_| {
         let now = time::OffsetDateTime::now_utc();
         std::path::PathBuf::from(format!(

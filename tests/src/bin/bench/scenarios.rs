@@ -248,34 +248,29 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
         PaceSpec::Open(rate) => Pace::Open { rate: rate as f64 },
         PaceSpec::Window(in_flight) => Pace::Window { in_flight, finished: finished.clone() },
     };
-    // The first part of the period warms up; figures per task come from the rest.
+    // The first part of the period warms up; throughput and the grant rate come from
+    // the rest. Costs per task (commits, records, rows, CPU) come from the whole run,
+    // from before the first submission until every task finished (or the drain
+    // limit), divided by the tasks that finished: a window shorter than a task's way
+    // through the system would count work on tasks it does not see finish.
     let warmup = (seconds as f64 / 4.0).min(5.0);
     let clients = match pace {
         Pace::Open { rate } => (rate / 10.0).clamp(4.0, settings.clients as f64) as usize,
         Pace::Window { .. } => settings.clients as usize,
     };
-    let limit = u64::MAX;
-    let driving = {
-        let (target, pace) = (target.clone(), pace.clone());
-        tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, limit, clients))
-    };
-    tokio::time::sleep(Duration::from_secs_f64(warmup)).await;
     let counting_statements = probe::reset_statements(&bench.admin).await;
-    let first = bench.snapshot().await;
-    let queries_first = monitor_queries.load(Ordering::Relaxed);
+    let whole_first = bench.snapshot().await;
+    let queries_whole_first = monitor_queries.load(Ordering::Relaxed);
     let stop_sampling = tokio_util::sync::CancellationToken::new();
     let sampler = tokio::spawn(probe::sample_until(bench.watched(), stop_sampling.clone()));
+    let driving = {
+        let (target, pace) = (target.clone(), pace.clone());
+        tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, u64::MAX, clients))
+    };
+    tokio::time::sleep(Duration::from_secs_f64(warmup)).await;
+    let first = bench.snapshot().await;
     let submissions: Vec<Submission> = driving.await.unwrap_or_default();
     let last = bench.snapshot().await;
-    let queries_last = monitor_queries.load(Ordering::Relaxed);
-    let mut statements = HashMap::new();
-    if counting_statements {
-        for service in SERVICES {
-            statements.insert(service, probe::top_statements(&bench.admin, &bench.databases[service].0, 8).await);
-        }
-    }
-    stop_sampling.cancel();
-    let usage = sampler.await.unwrap_or_default();
     let accepted = submissions.iter().filter(|s| s.accepted).count() as u64;
     // Drain: wait until every accepted task succeeded, within the limit.
     let drain_until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds);
@@ -284,9 +279,22 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     }
     stop_counting.cancel();
     let _ = counter.await;
-    let mut figures = figures(bench, &target, &submissions, &first, &last, queries_last - queries_first, &usage).await;
-    // The statements each service ran most often, per task of the window.
-    let tasks = figures["throughput_per_s"].as_f64().unwrap_or(0.0) * figures["window_s"].as_f64().unwrap_or(0.0);
+    // Busy backends report their counts about every second.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let whole_last = bench.snapshot().await;
+    let own_queries = monitor_queries.load(Ordering::Relaxed) - queries_whole_first;
+    let mut statements = HashMap::new();
+    if counting_statements {
+        for service in SERVICES {
+            statements.insert(service, probe::top_statements(&bench.admin, &bench.databases[service].0, 8).await);
+        }
+    }
+    stop_sampling.cancel();
+    let usage = sampler.await.unwrap_or_default();
+    let whole = Whole { first: &whole_first, last: &whole_last, own_queries, usage: &usage };
+    let mut figures = figures(bench, &target, &submissions, &first, &last, &whole).await;
+    // The statements each service ran most often, per finished task.
+    let tasks = figures["finished"].as_f64().unwrap_or(0.0);
     let mut top = serde_json::Map::new();
     for (service, rows) in statements {
         let listed: Vec<Value> =
@@ -295,6 +303,15 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     }
     figures["top_statements_per_task"] = Value::Object(top);
     figures
+}
+
+/// The whole run's counts, for the costs per task.
+struct Whole<'a> {
+    first: &'a Snapshot,
+    last: &'a Snapshot,
+    /// The benchmark's own counting queries in intake's database meanwhile.
+    own_queries: u64,
+    usage: &'a HashMap<String, probe::Usage>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -309,8 +326,7 @@ async fn figures(
     submissions: &[Submission],
     first: &Snapshot,
     last: &Snapshot,
-    monitor_queries: u64,
-    usage: &HashMap<String, probe::Usage>,
+    whole: &Whole<'_>,
 ) -> Value {
     let grants = probe::grants(bench.pool("scheduler")).await;
     let succeeded = probe::succeeded(bench.pool("intake")).await;
@@ -348,7 +364,9 @@ async fn figures(
         .filter(|at| (first.at_us..=last.at_us).contains(*at))
         .count();
     let window_s = (last.at_us - first.at_us) as f64 / 1e6;
-    let per_task = |value: f64| if in_window == 0 { Value::Null } else { json!(round(value / in_window as f64, 2)) };
+    let finished = done.len() as u64;
+    let per_task = |value: f64| if finished == 0 { Value::Null } else { json!(round(value / finished as f64, 2)) };
+    let whole_s = (whole.last.at_us - whole.first.at_us) as f64 / 1e6;
     let mut rows = serde_json::Map::new();
     let mut commits = serde_json::Map::new();
     let mut all_commits = 0.0;
@@ -356,10 +374,10 @@ async fn figures(
         let delta = |before: &HashMap<&'static str, i64>, after: &HashMap<&'static str, i64>| {
             (after.get(service).copied().unwrap_or(0) - before.get(service).copied().unwrap_or(0)) as f64
         };
-        rows.insert(service.to_owned(), per_task(delta(&first.rows, &last.rows)));
+        rows.insert(service.to_owned(), per_task(delta(&whole.first.rows, &whole.last.rows)));
         // The benchmark's own counting queries run in intake's database.
-        let own = if service == "intake" { monitor_queries as f64 } else { 0.0 };
-        let committed = delta(&first.commits, &last.commits) - own;
+        let own = if service == "intake" { whole.own_queries as f64 } else { 0.0 };
+        let committed = delta(&whole.first.commits, &whole.last.commits) - own;
         all_commits += committed;
         commits.insert(service.to_owned(), per_task(committed));
     }
@@ -379,10 +397,12 @@ async fn figures(
         },
         "postgres_commits_per_task": per_task(all_commits),
         "postgres_commits_per_task_by_service": commits,
-        "kafka_records_per_task": per_task((last.records - first.records) as f64),
+        "kafka_records_per_task": per_task((whole.last.records - whole.first.records) as f64),
         "row_writes_per_task": rows,
-        "processes": probe::usage_json(usage, window_s, in_window),
+        "processes": probe::usage_json(whole.usage, whole_s, finished),
+        "finished": finished,
         "window_s": round(window_s, 1),
+        "whole_run_s": round(whole_s, 1),
         "load_average": crate::load_average(),
     })
 }

@@ -19,18 +19,27 @@ use crate::{PARTITIONS, fresh_database, kafka_at};
 /// The test binary that runs any service: beside the test executable's folder
 /// (`target/<profile>/fenceline-host`).
 pub fn host_binary() -> String {
+    built_binary("fenceline-host", "build the tests package's binaries")
+}
+
+/// The command line `fenceline` (tools/cli), which `deploy/local/stack test` builds
+/// before the suites.
+pub fn cli_binary() -> String {
+    built_binary("fenceline", "build it with `cargo build -p fenceline-cli`")
+}
+
+/// A workspace binary beside the test executable's folder; panics with `hint` when missing.
+fn built_binary(name: &str, hint: &str) -> String {
     let exe = std::env::current_exe().expect("current executable");
     // Test executables live in target/<profile>/deps, binaries in target/<profile>.
-    let host = exe
+    let found = exe
         .ancestors()
         .skip(1)
         .take(2)
-        .map(|dir| dir.join("fenceline-host"))
+        .map(|dir| dir.join(name))
         .find(|candidate| candidate.exists())
-        .unwrap_or_else(|| {
-            panic!("fenceline-host is missing beside {}: build the tests package's binaries", exe.display())
-        });
-    host.display().to_string()
+        .unwrap_or_else(|| panic!("{name} is missing beside {}: {hint}", exe.display()));
+    found.display().to_string()
 }
 
 /// One blocking HTTP exchange: (status, JSON body or Null).

@@ -1,0 +1,244 @@
+//! The `fenceline` command line (tools/cli, docs/cli.md) against a running system:
+//! the built binary, run as a user would, with its exit codes and its JSON output
+//! judged, and the system's own tables as the truth about what it did.
+
+use std::path::Path;
+use std::time::Duration;
+
+use fenceline_tests::system::{Caps, System, cli_binary};
+use serde_json::{Value, json};
+
+/// One run of `fenceline`: its exit code, stdout and stderr.
+#[derive(Debug)]
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {self:?}"))
+    }
+}
+
+/// Runs `fenceline` against `intake` with `env` and nothing of the test's own environment's Fenceline settings.
+async fn fenceline(intake: &str, env: &[(&str, &str)], args: &[&str]) -> Run {
+    let mut command = tokio::process::Command::new(cli_binary());
+    command.args(args).env("FENCELINE_URL", intake);
+    for name in ["FENCELINE_TOKEN", "FENCELINE_TOKEN_FILE", "FENCELINE_RECONCILER_AUDIT_TOKEN"] {
+        command.env_remove(name);
+    }
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(90), command.output())
+        .await
+        .expect("fenceline finished within 90 s")
+        .expect("fenceline ran");
+    Run {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+/// A run as the tenant, its token in a file.
+async fn as_tenant(intake: &str, token_file: &Path, args: &[&str]) -> Run {
+    let file = token_file.display().to_string();
+    fenceline(intake, &[("FENCELINE_TOKEN_FILE", &file)], args).await
+}
+
+fn task_id(run: &Run) -> String {
+    run.json()["task_id"].as_str().unwrap_or_else(|| panic!("no task id: {run:?}")).to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scripts_can_test() {
+    // `img` renders and triages; `refunds` pays the approved refunds; `payments`
+    // does every refund and answers a gateway's 504, and can neither dedupe nor be
+    // asked: its refunds end in outcome_unknown.
+    let mut system =
+        System::new(&[("img", Caps::default()), ("payments", Caps::default()), ("refunds", Caps::default())]).await;
+    system.set_kinds(json!({
+        "image.generate": {"steps": [{"name": "render", "provider": "img"}], "max_attempts": 4, "attempt_budget_ms": 60_000},
+        "ticket.triage": {"steps": [
+            {"name": "classify", "provider": "img"},
+            {"name": "approve", "approval_signal": "refund_approved"},
+            {"name": "refund", "provider": "refunds"}
+        ], "max_attempts": 4, "attempt_budget_ms": 60_000},
+        "payments.refund": {"steps": [{"name": "refund", "provider": "payments", "operation": "refund"}],
+                            "max_attempts": 4, "attempt_budget_ms": 60_000}
+    }));
+    system.provider("payments").rule(json!({"operation": "refund", "status_after_work": 504, "bare": true})).await;
+    system
+        .spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate,ticket.triage,payments.refund".into())])
+        .await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[("FENCELINE_RECONCILER_AUDIT_TOKEN", "audit-secret".into())]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let intake = system.url_of("intake");
+    let token = system.token("acme").await;
+    let token_file = system.dir.join("token");
+    std::fs::write(&token_file, format!("{token}\n")).expect("token file");
+    let run = |args: &'static [&'static str]| as_tenant(&intake, &token_file, args);
+
+    // Submitted with a key: the same key and request give the same task.
+    let input = r#"{"prompt":"a red shoe"}"#;
+    let first = as_tenant(
+        &intake,
+        &token_file,
+        &["submit", "image.generate", input, "-k", "cli-1", "--label", "batch=cli", "--json"],
+    )
+    .await;
+    assert_eq!(first.code, 0, "{first:?}");
+    let image = task_id(&first);
+    let again =
+        as_tenant(&intake, &token_file, &["submit", "image.generate", input, "-k", "cli-1", "--label", "batch=cli"])
+            .await;
+    assert_eq!(again.code, 0, "{again:?}");
+    assert!(again.stdout.contains(&image) && again.stdout.contains("already submitted"), "{again:?}");
+    // The same key for another request is a conflict.
+    let reused =
+        as_tenant(&intake, &token_file, &["submit", "image.generate", r#"{"prompt":"blue"}"#, "-k", "cli-1"]).await;
+    assert_eq!(reused.code, 4, "{reused:?}");
+    assert!(reused.stderr.contains("/problems/idempotency-key-reused"), "{reused:?}");
+
+    // Without a key one is generated and printed; repeating with it gives the same task.
+    let input_file = system.dir.join("input.json");
+    std::fs::write(&input_file, r#"{"prompt":"a green hat"}"#).expect("input file");
+    let at_file = format!("@{}", input_file.display());
+    let keyless = as_tenant(&intake, &token_file, &["submit", "image.generate", &at_file, "--json"]).await;
+    assert_eq!(keyless.code, 0, "{keyless:?}");
+    let key = keyless
+        .stderr
+        .split_whitespace()
+        .skip_while(|w| *w != "key")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no key printed: {keyless:?}"))
+        .to_owned();
+    let repeated = as_tenant(&intake, &token_file, &["submit", "image.generate", &at_file, "-k", &key, "--json"]).await;
+    assert_eq!(task_id(&repeated), task_id(&keyless), "the printed key names the same submission");
+    let tasks: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM intake.tasks").fetch_one(&system.pool).await.expect("count");
+    assert_eq!(tasks, 2, "four submissions, two tasks");
+
+    // The other tasks, submitted before anything is awaited so that they run meanwhile.
+    let later = as_tenant(
+        &intake,
+        &token_file,
+        &["submit", "image.generate", "{}", "--not-before", "2099-01-01T00:00:00Z", "--json"],
+    )
+    .await;
+    let later = task_id(&later);
+    let ticket =
+        task_id(&as_tenant(&intake, &token_file, &["submit", "ticket.triage", r#"{"ticket":"t-1"}"#, "--json"]).await);
+    let refund = task_id(
+        &as_tenant(&intake, &token_file, &["submit", "payments.refund", r#"{"amount_cents":1200}"#, "--json"]).await,
+    );
+
+    // Watched until it succeeded: exit 0, each change a line.
+    let watched =
+        as_tenant(&intake, &token_file, &["watch", &image, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert_eq!(watched.code, 0, "{watched:?}");
+    assert!(watched.stdout.lines().last().is_some_and(|l| l.contains("succeeded")), "{watched:?}");
+    let got = as_tenant(&intake, &token_file, &["get", &image, "--json"]).await;
+    assert_eq!((got.code, got.json()["state"].as_str()), (0, Some("succeeded")), "{got:?}");
+    let shown = as_tenant(&intake, &token_file, &["get", &image]).await;
+    assert!(shown.stdout.contains("succeeded") && shown.stdout.contains("attempts:"), "{shown:?}");
+
+    // Listed with intake's filters, as JSON.
+    let listed = run(&["list", "--label", "batch=cli", "--json"]).await;
+    let ids: Vec<Value> =
+        listed.json()["tasks"].as_array().into_iter().flatten().map(|t| t["task_id"].clone()).collect();
+    assert_eq!(ids, [json!(image)], "{listed:?}");
+    let succeeded = run(&["list", "--state", "succeeded", "--all", "--json"]).await;
+    assert!(succeeded.stdout.contains(&image) && !succeeded.stdout.contains(&later), "{succeeded:?}");
+    let table = run(&["list"]).await;
+    assert_eq!(table.stdout.lines().count(), 6, "a header and five tasks: {table:?}");
+
+    // Cancelled while it waits; its watch ends with 7, not 0.
+    let cancelled = as_tenant(&intake, &token_file, &["cancel", &later]).await;
+    assert!(cancelled.code == 0 && cancelled.stdout.contains("sent"), "{cancelled:?}");
+    let twice = as_tenant(&intake, &token_file, &["cancel", &later, "--json"]).await;
+    assert_eq!(twice.json()["repeated"], json!(true), "{twice:?}");
+    let watched =
+        as_tenant(&intake, &token_file, &["watch", &later, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(watched.code == 7 && watched.stdout.contains("cancelled"), "{watched:?}");
+
+    // A refund that waits for its approval; approved, it runs to the end.
+    let waiting =
+        as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(waiting.code == 7 && waiting.stdout.contains("awaiting_approval"), "{waiting:?}");
+    assert!(waiting.stderr.contains("fenceline approve"), "it says what to do next: {waiting:?}");
+    let approved = as_tenant(&intake, &token_file, &["approve", &ticket, "--signal", "refund_approved"]).await;
+    assert_eq!(approved.code, 0, "{approved:?}");
+    let done = as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert_eq!(system.provider("refunds").charges().await, 1, "the approved refund was paid once");
+
+    // A refund that may have been paid: outcome_unknown, resolved by naming its case.
+    let unknown =
+        as_tenant(&intake, &token_file, &["watch", &refund, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(unknown.code == 7 && unknown.stdout.contains("outcome_unknown"), "{unknown:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let case = loop {
+        let read = as_tenant(&intake, &token_file, &["get", &refund, "--json"]).await;
+        if let Some(case) = read.json()["case"]["case_id"].as_str() {
+            break case.to_owned();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "intake never showed the case: {read:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let unacknowledged = as_tenant(&intake, &token_file, &["resolve", &refund, "retry-as-new", "--case", &case]).await;
+    assert!(
+        unacknowledged.code == 2 && unacknowledged.stderr.contains("--i-accept-a-second-charge"),
+        "{unacknowledged:?}"
+    );
+    let stale = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", "not-the-case"]).await;
+    assert!(stale.code == 4 && stale.stderr.contains("/problems/case-changed"), "{stale:?}");
+    let resolved = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", &case]).await;
+    assert_eq!(resolved.code, 0, "{resolved:?}");
+    let other = as_tenant(
+        &intake,
+        &token_file,
+        &["resolve", &refund, "retry-as-new", "--case", &case, "--i-accept-a-second-charge"],
+    )
+    .await;
+    assert!(other.code == 4 && other.stderr.contains("/problems/already-resolved"), "{other:?}");
+    let failed =
+        as_tenant(&intake, &token_file, &["watch", &refund, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(failed.code == 7 && failed.stdout.contains("failed"), "{failed:?}");
+    assert_eq!(system.provider("payments").charges().await, 1, "accepted as failed: no second refund");
+
+    // Not found, a bad token, no token: each its own exit code.
+    let missing = as_tenant(&intake, &token_file, &["get", &uuid::Uuid::now_v7().to_string()]).await;
+    assert!(missing.code == 3 && missing.stderr.contains("/problems/task-not-found"), "{missing:?}");
+    let refused = fenceline(&intake, &[("FENCELINE_TOKEN", "fl_not_a_token")], &["get", &image]).await;
+    assert!(refused.code == 5 && refused.stderr.contains("/problems/unauthorized"), "{refused:?}");
+    assert!(!refused.stderr.contains("fl_not_a_token"), "the token is never printed: {refused:?}");
+    let checked = fenceline(&intake, &[("FENCELINE_TOKEN", "fl_not_a_token")], &["tokens", "check"]).await;
+    assert_eq!(checked.code, 5, "{checked:?}");
+    assert_eq!(run(&["tokens", "check"]).await.code, 0);
+    let tokenless = fenceline(&intake, &[], &["list"]).await;
+    assert_eq!(tokenless.code, 2, "{tokenless:?}");
+    let usage = as_tenant(&intake, &token_file, &["get", "not-a-task-id"]).await;
+    assert_eq!(usage.code, 2, "{usage:?}");
+    let unreachable = fenceline("http://127.0.0.1:1", &[("FENCELINE_TOKEN", "x")], &["list"]).await;
+    assert_eq!(unreachable.code, 6, "{unreachable:?}");
+
+    // The reconciler's audit, behind its own token.
+    let reconciler = system.url_of("reconciler");
+    let audit = fenceline(
+        &intake,
+        &[("FENCELINE_RECONCILER_AUDIT_TOKEN", "audit-secret")],
+        &["audit", "--reconciler-url", &reconciler, "--json"],
+    )
+    .await;
+    assert!(audit.code == 0 && audit.json()["findings"].is_array(), "{audit:?}");
+    let unaudited = fenceline(&intake, &[], &["audit", "--reconciler-url", &reconciler]).await;
+    assert_eq!(unaudited.code, 5, "{unaudited:?}");
+    let all_output: String =
+        [&first, &keyless, &watched, &shown, &listed].iter().map(|r| format!("{}{}", r.stdout, r.stderr)).collect();
+    assert!(!all_output.contains(&token), "the tenant's token is never printed");
+}

@@ -1,0 +1,316 @@
+//! Intake's and the reconciler's answers as typed values, and how each is shown to a
+//! person: aligned tables without borders.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use comfy_table::{ContentArrangement, Table, presets};
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
+use serde::Deserialize;
+
+use crate::Error;
+
+/// A task as `GET /v1/tasks/{id}` and the list show it (docs/intake.md, "Read").
+#[derive(Debug, Clone, Deserialize)]
+pub struct TaskView {
+    pub task_id: TaskId,
+    pub kind: String,
+    pub state: TaskState,
+    pub reason: Option<String>,
+    pub attempt: i32,
+    pub step: Option<String>,
+    pub phase: Option<String>,
+    pub next_attempt_at: Option<String>,
+    pub result: Option<serde_json::Value>,
+    pub case_id: Option<String>,
+    pub updated_at: String,
+    pub version: i64,
+    #[serde(default)]
+    pub case: Option<CaseView>,
+    #[serde(default)]
+    pub attempts: Option<Vec<AttemptView>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CaseView {
+    pub case_id: String,
+    pub evidence: Vec<EvidenceView>,
+    pub resolutions: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct EvidenceView {
+    pub source: String,
+    pub observed_at: String,
+    pub finding: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AttemptView {
+    pub attempt: i32,
+    pub outcome: String,
+    pub error_class: Option<String>,
+    pub detail: Option<String>,
+    pub money_may_have_been_spent: Option<bool>,
+    pub recovery: Option<String>,
+    pub started_at: Option<String>,
+    pub ended_at: Option<String>,
+}
+
+/// One page of `GET /v1/tasks`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Page {
+    pub tasks: Vec<TaskView>,
+    pub next_cursor: Option<String>,
+}
+
+/// The answer to a submission.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Accepted {
+    pub task_id: TaskId,
+    pub status_url: String,
+}
+
+/// The answer to cancel, a signal and a resolution.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ActionAccepted {
+    pub task_id: TaskId,
+    pub action: String,
+    pub repeated: bool,
+}
+
+/// One finding of the reconciler's audit.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Finding {
+    pub task_id: TaskId,
+    pub finding: String,
+    pub state: String,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Findings {
+    pub findings: Vec<Finding>,
+}
+
+/// Whether a task's state is one `watch` stops at: final, or waiting for a person.
+pub fn ends_watch(state: TaskState) -> bool {
+    match state {
+        TaskState::Succeeded
+        | TaskState::Failed
+        | TaskState::Cancelled
+        | TaskState::AwaitingApproval
+        | TaskState::OutcomeUnknown
+        | TaskState::NeedsHuman => true,
+        TaskState::Queued | TaskState::Waiting | TaskState::Running => false,
+    }
+}
+
+fn new_table() -> Table {
+    let mut table = Table::new();
+    table.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled);
+    table
+}
+
+fn text(value: &Option<String>) -> &str {
+    value.as_deref().unwrap_or("-")
+}
+
+fn write_table(out: &mut dyn Write, table: &Table) -> Result<(), Error> {
+    for line in table.lines() {
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
+/// Where the step is: `step/phase`, `step`, or `-`.
+pub fn position(task: &TaskView) -> String {
+    match (&task.step, &task.phase) {
+        (Some(step), Some(phase)) => format!("{step}/{phase}"),
+        (Some(step), None) => step.clone(),
+        _ => "-".into(),
+    }
+}
+
+/// Tasks, one line each.
+pub fn tasks(out: &mut dyn Write, tasks: &[TaskView]) -> Result<(), Error> {
+    let mut table = new_table();
+    table.set_header(["TASK", "KIND", "STATE", "ATTEMPT", "STEP", "UPDATED", "REASON"]);
+    for task in tasks {
+        table.add_row([
+            task.task_id.to_string(),
+            task.kind.clone(),
+            task.state.to_string(),
+            task.attempt.to_string(),
+            position(task),
+            task.updated_at.clone(),
+            text(&task.reason).to_owned(),
+        ]);
+    }
+    write_table(out, &table)
+}
+
+/// One task in full: its fields, its result, its attempts and its case.
+pub fn task(out: &mut dyn Write, task: &TaskView) -> Result<(), Error> {
+    let mut fields = new_table();
+    let result = task.result.as_ref().map(|r| {
+        format!(
+            "{} (sha256 {}, {} bytes)",
+            r["uri"].as_str().unwrap_or("?"),
+            r["sha256"].as_str().unwrap_or("?"),
+            r["size_bytes"].as_i64().map_or("?".into(), |n| n.to_string())
+        )
+    });
+    for (name, value) in [
+        ("task", task.task_id.to_string()),
+        ("kind", task.kind.clone()),
+        ("state", task.state.to_string()),
+        ("reason", text(&task.reason).to_owned()),
+        ("attempt", task.attempt.to_string()),
+        ("step", position(task)),
+        ("next attempt", text(&task.next_attempt_at).to_owned()),
+        ("result", text(&result).to_owned()),
+        ("case", text(&task.case_id).to_owned()),
+        ("updated", task.updated_at.clone()),
+        ("version", task.version.to_string()),
+    ] {
+        fields.add_row([name.to_owned(), value]);
+    }
+    write_table(out, &fields)?;
+    if let Some(attempts) = task.attempts.as_ref().filter(|a| !a.is_empty()) {
+        writeln!(out, "\nattempts:")?;
+        let mut table = new_table();
+        table.set_header([
+            "ATTEMPT",
+            "OUTCOME",
+            "ERROR",
+            "MONEY MAY BE SPENT",
+            "RECOVERY",
+            "STARTED",
+            "ENDED",
+            "DETAIL",
+        ]);
+        for a in attempts {
+            table.add_row([
+                a.attempt.to_string(),
+                a.outcome.clone(),
+                text(&a.error_class).to_owned(),
+                a.money_may_have_been_spent.map_or("-".into(), |m| if m { "yes" } else { "no" }.to_owned()),
+                text(&a.recovery).to_owned(),
+                text(&a.started_at).to_owned(),
+                text(&a.ended_at).to_owned(),
+                text(&a.detail).to_owned(),
+            ]);
+        }
+        write_table(out, &table)?;
+    }
+    if let Some(case) = &task.case {
+        writeln!(out, "\ncase {} evidence:", case.case_id)?;
+        let mut table = new_table();
+        table.set_header(["OBSERVED", "SOURCE", "FINDING"]);
+        for e in &case.evidence {
+            table.add_row([e.observed_at.clone(), e.source.clone(), e.finding.clone()]);
+        }
+        write_table(out, &table)?;
+        writeln!(out, "\nresolutions (fenceline resolve {} ACTION --case {}):", task.task_id, case.case_id)?;
+        let mut table = new_table();
+        for (action, effect) in &case.resolutions {
+            table.add_row([action.replace('_', "-"), effect.clone()]);
+        }
+        write_table(out, &table)?;
+    }
+    Ok(())
+}
+
+/// The audit's findings.
+pub fn findings(out: &mut dyn Write, findings: &[Finding]) -> Result<(), Error> {
+    if findings.is_empty() {
+        writeln!(out, "no findings")?;
+        return Ok(());
+    }
+    let mut table = new_table();
+    table.set_header(["TASK", "FINDING", "STATE", "DETAIL"]);
+    for f in findings {
+        table.add_row([f.task_id.to_string(), f.finding.clone(), f.state.clone(), f.detail.clone()]);
+    }
+    write_table(out, &table)
+}
+
+/// The line `watch` prints for a change.
+pub fn change(task: &TaskView) -> String {
+    format!(
+        "{}  {}  {:<17}  attempt {}  {}  {}",
+        task.updated_at,
+        task.task_id,
+        task.state.as_str(),
+        task.attempt,
+        position(task),
+        text(&task.reason)
+    )
+}
+
+/// What a person can do next with a task that waits for one, as a command line.
+pub fn next_step(task: &TaskView) -> Option<String> {
+    match task.state {
+        TaskState::AwaitingApproval => Some(format!("approve it: fenceline approve {} --signal NAME", task.task_id)),
+        TaskState::OutcomeUnknown | TaskState::NeedsHuman => Some(format!(
+            "read its case with `fenceline get {id}`, then: fenceline resolve {id} ACTION --case {case}",
+            id = task.task_id,
+            case = task.case_id.as_deref().unwrap_or("CASE")
+        )),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(json: serde_json::Value) -> TaskView {
+        serde_json::from_value(json).expect("a task view")
+    }
+
+    fn sample() -> serde_json::Value {
+        serde_json::json!({
+            "task_id": "0190e0b4-7c1c-7c44-a7a5-6a2f0b8a1f00", "kind": "image.generate", "state": "outcome_unknown",
+            "reason": "no one can ask", "attempt": 1, "step": "render", "phase": "call_intent",
+            "next_attempt_at": null, "result": null, "case_id": "case-1", "updated_at": "2026-12-01T12:00:00Z",
+            "version": 4,
+            "case": {"case_id": "case-1", "evidence": [{"source": "executor", "observed_at": "2026-12-01T12:00:00Z",
+                     "finding": "last durable phase call_intent"}],
+                     "resolutions": {"accept_failed": "ends it as failed", "retry_as_new": "may bill again"}},
+            "attempts": [{"attempt": 1, "outcome": "lost", "error_class": null, "detail": "call_intent",
+                          "money_may_have_been_spent": null, "recovery": "outcome_unknown",
+                          "started_at": "2026-12-01T11:59:59Z", "ended_at": null}]
+        })
+    }
+
+    #[test]
+    fn a_task_shows_its_case_and_how_to_resolve_it() {
+        let task = view(sample());
+        let mut out = Vec::new();
+        super::task(&mut out, &task).expect("written");
+        let shown = String::from_utf8(out).expect("utf-8");
+        assert!(shown.contains("outcome_unknown") && shown.contains("render/call_intent"), "{shown}");
+        assert!(shown.contains("last durable phase call_intent"), "{shown}");
+        assert!(shown.contains("retry-as-new") && shown.contains("--case case-1"), "{shown}");
+        assert!(next_step(&task).is_some_and(|s| s.contains("--case case-1")));
+    }
+
+    #[test]
+    fn watch_stops_at_final_states_and_where_a_person_must_act() {
+        let stops: Vec<&str> = TaskState::ALL.iter().filter(|s| ends_watch(**s)).map(|s| s.as_str()).collect();
+        assert_eq!(stops, ["succeeded", "failed", "cancelled", "awaiting_approval", "outcome_unknown", "needs_human"]);
+    }
+
+    #[test]
+    fn a_list_is_one_line_per_task() {
+        let mut sample = sample();
+        sample.as_object_mut().expect("object").remove("case");
+        let tasks = [view(sample.clone()), view(sample)];
+        let mut out = Vec::new();
+        super::tasks(&mut out, &tasks).expect("written");
+        assert_eq!(String::from_utf8(out).expect("utf-8").lines().count(), 3, "a header and two lines");
+    }
+}

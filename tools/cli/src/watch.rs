@@ -1,0 +1,177 @@
+//! Following tasks live. Intake has no event stream and no ETags, so this polls the
+//! task (or the list filtered by a label) and prints a line whenever what it shows
+//! changed, until the task is final or waits for a person.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
+
+use crate::args::Polling;
+use crate::client::{Answer, Client};
+use crate::render::{self, Page, TaskView};
+use crate::{Error, Exit};
+
+/// What `watch` compares between two reads: a change in any of these is printed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Shown {
+    version: i64,
+    state: TaskState,
+    reason: Option<String>,
+    attempt: i32,
+    step: Option<String>,
+    phase: Option<String>,
+}
+
+impl From<&TaskView> for Shown {
+    fn from(t: &TaskView) -> Self {
+        Shown {
+            version: t.version,
+            state: t.state,
+            reason: t.reason.clone(),
+            attempt: t.attempt,
+            step: t.step.clone(),
+            phase: t.phase.clone(),
+        }
+    }
+}
+
+/// Polls until `read` reports done, printing changes; rides out an unreachable or
+/// failing service (it says so once) until `polling.timeout_s`.
+struct Poller<'a> {
+    client: &'a Client,
+    polling: Polling,
+    json: bool,
+    started: Instant,
+    seen: BTreeMap<TaskId, Shown>,
+    unavailable: bool,
+}
+
+impl<'a> Poller<'a> {
+    fn new(client: &'a Client, polling: Polling, json: bool) -> Self {
+        Poller { client, polling, json, started: Instant::now(), seen: BTreeMap::new(), unavailable: false }
+    }
+
+    /// Reads `path`, or `None` while the service is unavailable.
+    fn read(&mut self, path: &str, query: &[(&str, String)]) -> Result<Option<Answer>, Error> {
+        match self.client.get(path, query) {
+            Ok(answer) => {
+                if self.unavailable {
+                    eprintln!("fenceline: intake answers again");
+                    self.unavailable = false;
+                }
+                Ok(Some(answer))
+            }
+            Err(e) if e.exit() == Exit::Unavailable => {
+                if !self.unavailable {
+                    eprintln!("fenceline: {e}; trying again every {} ms", self.polling.interval_ms);
+                    self.unavailable = true;
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Prints the task if what it shows changed since the last read.
+    fn show(&mut self, out: &mut dyn Write, task: &TaskView, raw: Option<&serde_json::Value>) -> Result<(), Error> {
+        let shown = Shown::from(task);
+        if self.seen.get(&task.task_id) == Some(&shown) {
+            return Ok(());
+        }
+        self.seen.insert(task.task_id, shown);
+        match (self.json, raw) {
+            (true, Some(raw)) => writeln!(out, "{raw}")?,
+            _ => writeln!(out, "{}", render::change(task))?,
+        }
+        out.flush()?;
+        Ok(())
+    }
+
+    /// Sleeps until the next read, or fails once the time is up.
+    fn wait(&self) -> Result<(), Error> {
+        let interval = Duration::from_millis(self.polling.interval_ms);
+        if let Some(limit) = self.polling.timeout_s
+            && self.started.elapsed() + interval > Duration::from_secs(limit)
+        {
+            return Err(Error::TimedOut(limit));
+        }
+        std::thread::sleep(interval);
+        Ok(())
+    }
+}
+
+/// How a watch ends for a task in an end state: 0 only when it succeeded.
+fn verdict(task: &TaskView) -> Exit {
+    if task.state == TaskState::Succeeded {
+        return Exit::Ok;
+    }
+    if let Some(next) = render::next_step(task) {
+        eprintln!("fenceline: task {} is {}; {next}", task.task_id, task.state);
+    }
+    Exit::NotSucceeded
+}
+
+/// Follows one task until it ends or waits for a person.
+pub fn task(
+    client: &Client,
+    task_id: TaskId,
+    polling: Polling,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<Exit, Error> {
+    let mut poller = Poller::new(client, polling, json);
+    let path = format!("/v1/tasks/{task_id}");
+    loop {
+        if let Some(answer) = poller.read(&path, &[])? {
+            let raw: serde_json::Value = answer.parse()?;
+            let task: TaskView = answer.parse()?;
+            poller.show(out, &task, Some(&raw))?;
+            if render::ends_watch(task.state) {
+                return Ok(verdict(&task));
+            }
+        }
+        poller.wait()?;
+    }
+}
+
+/// Follows every task with a label (`key:value`) until each has ended or waits for
+/// a person; 0 when all of them succeeded.
+pub fn label(client: &Client, label: &str, polling: Polling, json: bool, out: &mut dyn Write) -> Result<Exit, Error> {
+    let mut poller = Poller::new(client, polling, json);
+    loop {
+        if let Some(tasks) = every_page(&mut poller, label)? {
+            for (task, raw) in tasks.iter().rev() {
+                poller.show(out, task, Some(raw))?;
+            }
+            if !tasks.is_empty() && tasks.iter().all(|(t, _)| render::ends_watch(t.state)) {
+                let verdicts: Vec<Exit> = tasks.iter().rev().map(|(t, _)| verdict(t)).collect();
+                return Ok(if verdicts.iter().all(|v| *v == Exit::Ok) { Exit::Ok } else { Exit::NotSucceeded });
+            }
+        }
+        poller.wait()?;
+    }
+}
+
+/// Every task with the label, each typed and as received; `None` while intake is unavailable.
+fn every_page(poller: &mut Poller<'_>, label: &str) -> Result<Option<Vec<(TaskView, serde_json::Value)>>, Error> {
+    let mut tasks = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut query = vec![("label", label.to_owned()), ("limit", "200".to_owned())];
+        if let Some(cursor) = &cursor {
+            query.push(("cursor", cursor.clone()));
+        }
+        let Some(answer) = poller.read("/v1/tasks", &query)? else { return Ok(None) };
+        let page: Page = answer.parse()?;
+        let raw: serde_json::Value = answer.parse()?;
+        let raws = raw["tasks"].as_array().cloned().unwrap_or_default();
+        tasks.extend(page.tasks.into_iter().zip(raws));
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(Some(tasks)),
+        }
+    }
+}

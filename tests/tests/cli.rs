@@ -171,10 +171,15 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
         as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
     assert!(waiting.code == 7 && waiting.stdout.contains("awaiting_approval"), "{waiting:?}");
     assert!(waiting.stderr.contains("fenceline approve"), "it says what to do next: {waiting:?}");
-    let approved = as_tenant(&intake, &token_file, &["approve", &ticket, "--signal", "refund_approved"]).await;
-    assert_eq!(approved.code, 0, "{approved:?}");
-    let done = as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
-    assert_eq!(done.code, 0, "{done:?}");
+    // Followed past the wait it ends (a plain watch right away may still read awaiting_approval).
+    let approved = as_tenant(
+        &intake,
+        &token_file,
+        &["approve", &ticket, "--signal", "refund_approved", "--watch", "--interval-ms", "200", "--timeout-s", "60"],
+    )
+    .await;
+    assert!(approved.code == 0 && approved.stdout.contains("sent"), "{approved:?}");
+    assert!(approved.stdout.lines().last().is_some_and(|l| l.contains("succeeded")), "{approved:?}");
     assert_eq!(system.provider("refunds").charges().await, 1, "the approved refund was paid once");
 
     // A refund that may have been paid: outcome_unknown, resolved by naming its case.
@@ -197,8 +202,16 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     );
     let stale = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", "not-the-case"]).await;
     assert!(stale.code == 4 && stale.stderr.contains("/problems/case-changed"), "{stale:?}");
-    let resolved = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", &case]).await;
-    assert_eq!(resolved.code, 0, "{resolved:?}");
+    let resolved = as_tenant(
+        &intake,
+        &token_file,
+        &["resolve", &refund, "accept-failed", "--case", &case, "--watch", "--interval-ms", "200", "--timeout-s", "60"],
+    )
+    .await;
+    let last = resolved.stdout.lines().last().unwrap_or_default();
+    assert!(resolved.code == 7 && last.contains("failed"), "followed until it failed: {resolved:?}");
+    let repeated = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", &case]).await;
+    assert!(repeated.code == 0 && repeated.stdout.contains("before"), "{repeated:?}");
     let other = as_tenant(
         &intake,
         &token_file,
@@ -206,9 +219,6 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     )
     .await;
     assert!(other.code == 4 && other.stderr.contains("/problems/already-resolved"), "{other:?}");
-    let failed =
-        as_tenant(&intake, &token_file, &["watch", &refund, "--interval-ms", "200", "--timeout-s", "60"]).await;
-    assert!(failed.code == 7 && failed.stdout.contains("failed"), "{failed:?}");
     assert_eq!(system.provider("payments").charges().await, 1, "accepted as failed: no second refund");
 
     // Not found, a bad token, no token: each its own exit code.

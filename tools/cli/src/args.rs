@@ -184,6 +184,11 @@ pub struct ApproveArgs {
     /// is one signal per generation of the task.
     #[arg(long, value_parser = parse_key)]
     pub key: Option<String>,
+    /// Then follow the task as `watch` does, past the wait this approval ends.
+    #[arg(long)]
+    pub watch: bool,
+    #[command(flatten)]
+    pub polling: Polling,
 }
 
 #[derive(Debug, Args)]
@@ -209,6 +214,11 @@ pub struct ResolveArgs {
     /// attach-result: its size in bytes.
     #[arg(long, required_if_eq("action", "attach-result"))]
     pub size_bytes: Option<u64>,
+    /// Then follow the task as `watch` does, past the case this resolves.
+    #[arg(long)]
+    pub watch: bool,
+    #[command(flatten)]
+    pub polling: Polling,
 }
 
 /// The resolutions intake offers (docs/intake.md, "Act").

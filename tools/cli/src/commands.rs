@@ -4,6 +4,7 @@ use std::io::{Read as _, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use fenceline_domain::ids::TaskId;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 
@@ -39,14 +40,21 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
         },
         Command::Cancel { task_id } => {
             let answer = intake()?.post(&format!("/v1/tasks/{task_id}/cancel"), None, &[])?;
-            action(out, json, &answer.text, &answer.parse()?)
+            action(out, json, &answer.text, &answer.parse()?)?;
+            Ok(Exit::Ok)
         }
         Command::Approve(args) => {
             let payload = args.payload.as_deref().map(|p| json_object("--payload", p)).transpose()?;
             let headers: Vec<(&str, &str)> = args.key.as_deref().map(|k| ("Idempotency-Key", k)).into_iter().collect();
             let path = format!("/v1/tasks/{}/signals/{}", args.task_id, args.signal);
-            let answer = intake()?.post(&path, payload.as_ref(), &headers)?;
-            action(out, json, &answer.text, &answer.parse()?)
+            let client = intake()?;
+            let before = if args.watch { Some(version(&client, args.task_id)?) } else { None };
+            let answer = client.post(&path, payload.as_ref(), &headers)?;
+            action(out, json, &answer.text, &answer.parse()?)?;
+            match before {
+                Some(before) => watch::task_after(&client, args.task_id, Some(before), args.polling, json, out),
+                None => Ok(Exit::Ok),
+            }
         }
         Command::Resolve(args) => resolve(&intake()?, args, json, out),
         Command::Audit(args) => {
@@ -230,12 +238,23 @@ fn resolve(client: &Client, args: ResolveArgs, json: bool, out: &mut dyn Write) 
     } else if args.uri.is_some() || args.sha256.is_some() || args.size_bytes.is_some() {
         return Err(Error::Usage("--uri, --sha256 and --size-bytes belong to attach-result".into()));
     }
+    let before = if args.watch { Some(version(client, args.task_id)?) } else { None };
     let answer = client.post(&format!("/v1/tasks/{}/resolution", args.task_id), Some(&body), &[])?;
-    action(out, json, &answer.text, &answer.parse()?)
+    action(out, json, &answer.text, &answer.parse()?)?;
+    match before {
+        Some(before) => watch::task_after(client, args.task_id, Some(before), args.polling, json, out),
+        None => Ok(Exit::Ok),
+    }
+}
+
+/// The task's status version now, before an action that a watch must see applied.
+fn version(client: &Client, task_id: TaskId) -> Result<i64, Error> {
+    let task: TaskView = client.get(&format!("/v1/tasks/{task_id}"), &[])?.parse()?;
+    Ok(task.version)
 }
 
 /// Prints what an action's answer says.
-fn action(out: &mut dyn Write, json: bool, text: &str, accepted: &ActionAccepted) -> Result<Exit, Error> {
+fn action(out: &mut dyn Write, json: bool, text: &str, accepted: &ActionAccepted) -> Result<(), Error> {
     if json {
         raw(out, text)?;
     } else if accepted.repeated {
@@ -243,7 +262,8 @@ fn action(out: &mut dyn Write, json: bool, text: &str, accepted: &ActionAccepted
     } else {
         writeln!(out, "{} of task {}: sent", accepted.action, accepted.task_id)?;
     }
-    Ok(Exit::Ok)
+    out.flush()?;
+    Ok(())
 }
 
 /// Runs `fenceline-intake` with `args` (it reads FENCELINE_DATABASE_URL), passing on

@@ -122,6 +122,20 @@ pub fn task(
     json: bool,
     out: &mut dyn Write,
 ) -> Result<Exit, Error> {
+    task_after(client, task_id, None, polling, json, out)
+}
+
+/// As [`task`], but a state of status version `past` or older does not end the
+/// watch: after an approval or a resolution, the task still shows the wait the
+/// action ends until the scheduler has applied it.
+pub fn task_after(
+    client: &Client,
+    task_id: TaskId,
+    past: Option<i64>,
+    polling: Polling,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<Exit, Error> {
     let mut poller = Poller::new(client, polling, json);
     let path = format!("/v1/tasks/{task_id}");
     loop {
@@ -129,7 +143,7 @@ pub fn task(
             let raw: serde_json::Value = answer.parse()?;
             let task: TaskView = answer.parse()?;
             poller.show(out, &task, Some(&raw))?;
-            if render::ends_watch(task.state) {
+            if render::ends_watch(task.state) && past.is_none_or(|version| task.version > version) {
                 return Ok(verdict(&task));
             }
         }

@@ -12,6 +12,10 @@ use serde::Deserialize;
 use crate::Error;
 
 /// A task as `GET /v1/tasks/{id}` and the list show it (docs/intake.md, "Read").
+///
+/// The JSON form of intake's `TaskView`, read rather than imported: the intake
+/// crate brings actix-web and sqlx, and a client depends on the wire form only
+/// (tests/tests/cli.rs reads real answers with it).
 #[derive(Debug, Clone, Deserialize)]
 pub struct TaskView {
     pub task_id: TaskId,

@@ -72,7 +72,7 @@ async fn a_person_follows_decides_and_approves_in_the_browser_and_another_tenant
     // The ledgers: the image whose answer was lost was charged, and charged again for
     // the retry the person acknowledged; the refund once, after its approval.
     let charged_for = |prompt: &str, calls: &[serde_json::Value]| {
-        calls.iter().filter(|c| c["input"]["prompt"] == prompt && c["charged"] == true).count()
+        calls.iter().filter(|c| c["input"]["task"]["prompt"] == prompt && c["charged"] == true).count()
     };
     let img = system.provider("img").calls().await;
     assert_eq!(charged_for("a red shoe", &img), 2, "the lost answer and the acknowledged retry: {img:?}");

@@ -241,7 +241,7 @@ impl Workers {
                     answer = call.provider.poll(&request_id).await;
                     accepted = Some(request_id);
                 }
-                CallAnswer::Outcome(outcome) => {
+                CallAnswer::Outcome(outcome, detail) => {
                     let stage = if accepted.is_some() { CallStage::Accepted } else { CallStage::Sent };
                     let left = call.budget_ends.saturating_duration_since(Instant::now());
                     let next = after_outcome(stage, &outcome, call.provider.errors(), tries, left, &backoff, jitter());
@@ -249,7 +249,7 @@ impl Workers {
                     match (next, &accepted) {
                         (NextMove::PollAgainIn(wait), Some(request_id)) => {
                             warn!(task_id = %lease.task_id, request_id, ?wait, "polling failed ({}); asking again",
-                                describe(&outcome));
+                                describe(&outcome, detail.as_deref()));
                             pause(lease, wait).await?;
                             answer = call.provider.poll(request_id).await;
                         }
@@ -264,14 +264,14 @@ impl Workers {
                         }
                         (NextMove::Fail { classification: c, new_key }, _) => {
                             let new_key = new_key.then_some(NewKey { step: call.step, used_seq: call.seq });
-                            let message = describe(&outcome);
+                            let message = describe(&outcome, detail.as_deref());
                             self.fail(lease, c.class, &message, c.retry_after, c.money_may_have_been_spent, new_key)
                                 .await?;
                             return Ok(None);
                         }
                         (NextMove::PollAgainIn(_), None) => {
                             // Polling needs a request id; without one the outcome stays in doubt.
-                            let message = describe(&outcome);
+                            let message = describe(&outcome, detail.as_deref());
                             self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
                             return Ok(None);
                         }
@@ -390,8 +390,9 @@ fn hex_sha(value: &serde_json::Value) -> String {
     hex::encode(Sha256::digest(value.to_string().as_bytes()))
 }
 
-fn describe(outcome: &CallOutcome) -> String {
-    match outcome {
+/// An outcome in words, with what the transport said when it failed.
+fn describe(outcome: &CallOutcome, detail: Option<&str>) -> String {
+    let said = match outcome {
         CallOutcome::NotSent => "the request was not sent".to_owned(),
         CallOutcome::Answered { status, problem_body: true, .. } => format!("the provider answered {status}"),
         CallOutcome::Answered { status, problem_body: false, .. } => {
@@ -400,5 +401,9 @@ fn describe(outcome: &CallOutcome) -> String {
         // The scheduler reads timeouts in attempt outcomes by this phrase.
         CallOutcome::TimedOutAfterSend => fenceline_domain::limits::TIMED_OUT_AFTER_SEND.to_owned(),
         CallOutcome::ResetMidResponse => "the connection broke before the answer was read".to_owned(),
+    };
+    match detail {
+        Some(detail) => format!("{said}: {detail}"),
+        None => said,
     }
 }

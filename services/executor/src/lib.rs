@@ -6,7 +6,6 @@ pub mod grants;
 mod record;
 pub mod worker;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use fenceline_config::ServiceConfig;
@@ -90,8 +89,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         return Err(Error::Config(fenceline_config::Error("at least one worker and a lease of 300 ms or more".into())));
     }
     check_lease(&catalog, settings.lease_ms).map_err(|e| Error::Config(fenceline_config::Error(e)))?;
-    let providers: HashMap<String, HttpProvider> =
-        catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
+    let providers =
+        HttpProvider::all_of(&catalog).map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?;
     let mut app =
         ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
     let wake = Arc::new(tokio::sync::Notify::new());

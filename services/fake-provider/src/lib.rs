@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -31,6 +32,80 @@ pub struct Config {
     /// What one charged operation costs, in cents.
     #[arg(long, env = "FAKE_PROVIDER_PRICE_CENTS", default_value_t = 4)]
     pub price_cents: u64,
+    #[command(flatten)]
+    pub tls: TlsListener,
+}
+
+/// Serving over TLS instead of plain HTTP, both the protocol's port and the
+/// artifacts' "other host": for tests of the adapter's certificate checks.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsListener {
+    /// PEM file of the server certificate (and its chain); with the key, the
+    /// provider answers `https://` only.
+    #[arg(long = "tls-certificate-file", env = "FAKE_PROVIDER_TLS_CERTIFICATE_FILE", requires = "key_file")]
+    pub certificate_file: Option<PathBuf>,
+    /// PEM file of its private key.
+    #[arg(long = "tls-key-file", env = "FAKE_PROVIDER_TLS_KEY_FILE", requires = "certificate_file")]
+    pub key_file: Option<PathBuf>,
+    /// PEM file of the CA that client certificates must chain to; set, a client
+    /// without such a certificate is refused during the handshake.
+    #[arg(long = "tls-client-ca-file", env = "FAKE_PROVIDER_TLS_CLIENT_CA_FILE", requires = "certificate_file")]
+    pub client_ca_file: Option<PathBuf>,
+}
+
+impl TlsListener {
+    /// The server's TLS settings, when it serves TLS.
+    fn server_config(&self) -> Result<Option<Arc<rustls::ServerConfig>>, Error> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let (Some(certificate_file), Some(key_file)) = (&self.certificate_file, &self.key_file) else {
+            return Ok(None);
+        };
+        let bad = |what: &Path, e: &dyn std::fmt::Display| {
+            Error::Config(fenceline_config::Error(format!("TLS listener: {}: {e}", what.display())))
+        };
+        let certs = CertificateDer::pem_file_iter(certificate_file)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| bad(certificate_file, &e))?;
+        let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| bad(key_file, &e))?;
+        let crypto = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(crypto.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(certificate_file, &e))?;
+        let builder = match &self.client_ca_file {
+            Some(ca_file) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for ca in CertificateDer::pem_file_iter(ca_file).map_err(|e| bad(ca_file, &e))? {
+                    roots.add(ca.map_err(|e| bad(ca_file, &e))?).map_err(|e| bad(ca_file, &e))?;
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), crypto)
+                    .build()
+                    .map_err(|e| bad(ca_file, &e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let config = builder.with_single_cert(certs, key).map_err(|e| bad(key_file, &e))?;
+        Ok(Some(Arc::new(config)))
+    }
+}
+
+/// Binds a listener, over TLS when `tls` is given.
+fn listen<F>(http: &HttpConfig, tls: Option<&Arc<rustls::ServerConfig>>, routes: F) -> Result<(Server, u16), Error>
+where
+    F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
+{
+    let Some(tls) = tls else {
+        return serve(http, routes);
+    };
+    let server = actix_web::HttpServer::new(move || actix_web::App::new().configure(routes.clone()))
+        .workers(2)
+        .disable_signals()
+        .shutdown_timeout(http.shutdown_grace_ms.div_ceil(1000))
+        .bind_rustls_0_23(http.addr, (**tls).clone())
+        .map_err(|source| Error::Bind { addr: http.addr, source })?;
+    let port = server.addrs().first().map(|a| a.port()).unwrap_or_default();
+    Ok((server.run(), port))
 }
 
 /// What this provider instance can do; switchable at run time.
@@ -691,8 +766,9 @@ impl App {
             price_cents: config.price_cents,
             artifact_port: Arc::new(AtomicU16::new(0)),
         });
+        let tls = config.tls.server_config()?;
         let elsewhere = HttpConfig { addr: SocketAddr::new(config.http.addr.ip(), 0), ..config.http.clone() };
-        let (artifact_server, artifact_port) = serve(&elsewhere, {
+        let (artifact_server, artifact_port) = listen(&elsewhere, tls.as_ref(), {
             let shared = shared.clone();
             move |cfg: &mut web::ServiceConfig| {
                 cfg.app_data(shared.clone()).route("/artifacts/{request_id}", web::get().to(artifact_elsewhere));
@@ -700,7 +776,7 @@ impl App {
         })?;
         shared.artifact_port.store(artifact_port, Ordering::Release);
         let health = health_routes(NAME, readiness.clone(), None);
-        let (server, port) = serve(&config.http, move |cfg: &mut web::ServiceConfig| {
+        let (server, port) = listen(&config.http, tls.as_ref(), move |cfg: &mut web::ServiceConfig| {
             health(cfg);
             cfg.app_data(shared.clone())
                 .route("/v1/operations", web::post().to(start))
@@ -714,7 +790,7 @@ impl App {
                 .route("/admin/rules", web::delete().to(clear_rules))
                 .route("/admin/reset", web::post().to(reset));
         })?;
-        tracing::info!(service = NAME, port, artifact_port, capabilities = ?config.capabilities, "listening");
+        tracing::info!(service = NAME, port, artifact_port, tls = tls.is_some(), capabilities = ?config.capabilities, "listening");
         Ok(Self { server, artifact_server, port, artifact_port, readiness })
     }
 

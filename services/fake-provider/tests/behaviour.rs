@@ -17,6 +17,7 @@ async fn start(capabilities: Capabilities) -> Provider {
         capabilities,
         async_delay_ms: 300,
         price_cents: 4,
+        tls: Default::default(),
     };
     let app = App::build(config).expect("starts");
     let base = format!("http://127.0.0.1:{}", app.port());

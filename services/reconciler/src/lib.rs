@@ -4,7 +4,6 @@ pub mod audit;
 pub mod evidence;
 pub mod watches;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -191,8 +190,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let catalog = Arc::new(config.catalog.load()?);
     let reconciler_retention_days = config.reconciler.retention_days;
     let settings = Arc::new(config.reconciler);
-    let providers: HashMap<String, HttpProvider> =
-        catalog.providers.iter().map(|(name, spec)| (name.clone(), HttpProvider::new(name, spec))).collect();
+    let providers =
+        HttpProvider::all_of(&catalog).map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?;
     let access = AuditAccess::new(&settings, config.service.http.addr);
     if matches!(access, AuditAccess::Closed) {
         tracing::warn!(

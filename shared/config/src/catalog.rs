@@ -4,7 +4,7 @@
 //! coded (docs/architecture.md, "Providers and the catalogue").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fenceline_domain::calls::{ErrorTable, GATEWAY_STATUSES, ProviderCapabilities};
@@ -59,6 +59,28 @@ pub struct ProviderSpec {
     /// (docs/execution.md, "Adaptive concurrency"); on by default.
     #[serde(default)]
     pub adaptive_concurrency: AdaptiveConcurrency,
+    /// How `https://` connections to this provider, and to the hosts its artifacts
+    /// are fetched from, are checked and authenticated (default: the system's roots,
+    /// no client certificate).
+    #[serde(default)]
+    pub tls: ProviderTls,
+}
+
+/// TLS settings of one provider. Paths are read when a service starts; relative
+/// paths are taken from the working directory.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderTls {
+    /// PEM file of the CA certificates the provider's certificate must chain to,
+    /// instead of the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM file of the client certificate (and its chain) for mutual TLS.
+    #[serde(default)]
+    pub client_certificate_file: Option<PathBuf>,
+    /// PEM file of that certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    #[serde(default)]
+    pub client_key_file: Option<PathBuf>,
 }
 
 fn default_registration_ms() -> u64 {
@@ -277,6 +299,11 @@ impl Catalog {
                      positive increase"
                 )));
             }
+            if provider.tls.client_certificate_file.is_some() != provider.tls.client_key_file.is_some() {
+                return Err(Error(format!(
+                    "provider `{name}`: tls.client_certificate_file and tls.client_key_file go together"
+                )));
+            }
             if provider.concurrency == 0 || provider.rate_per_second <= 0.0 || provider.burst < 1.0 {
                 return Err(Error(format!(
                     "provider `{name}`: concurrency, rate_per_second and burst must be positive"
@@ -411,6 +438,8 @@ mod tests {
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"safe_5xx\": [504],"), "not 504"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"safe_5xx\": [429],"), "not 429"),
             (GOOD.replace("\"409\": \"ambiguous\"", "\"503\": \"throttled\""), "unless it is listed in safe_5xx"),
+            (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"tls\": {\"client_key_file\": \"/k.pem\"},"), "go together"),
+            (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"tls\": {\"ca\": \"/ca.pem\"},"), "unknown field"),
         ];
         for (text, expected) in cases {
             let err = Catalog::parse(&text).expect_err(expected).to_string();

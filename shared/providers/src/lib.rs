@@ -4,9 +4,15 @@
 //! retry layer, and a retried paid call is exactly what Fenceline must not do
 //! behind anyone's back.
 
+mod tls;
+
 use std::time::Duration;
 
-use fenceline_config::catalog::ProviderSpec;
+pub use tls::Error;
+
+use std::collections::HashMap;
+
+use fenceline_config::catalog::{Catalog, ProviderSpec};
 use fenceline_domain::calls::{CallOutcome, ErrorTable, ProviderCapabilities};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -26,8 +32,9 @@ pub enum CallAnswer {
     Done { request_id: String, result: ProviderResult },
     /// Accepted; the result comes later (poll with the request id).
     Accepted { request_id: String },
-    /// Anything else, as observed: an error status, nothing sent, or no answer.
-    Outcome(CallOutcome),
+    /// Anything else, as observed: an error status, nothing sent, or no answer;
+    /// with what the transport said, when it failed.
+    Outcome(CallOutcome, Option<String>),
 }
 
 /// What a look-up by operation key answered.
@@ -62,8 +69,11 @@ pub struct HttpProvider {
     agent: ureq::Agent,
     /// Without a connection pool: for the paid call only.
     call_agent: ureq::Agent,
-    /// For artifacts, which may be served from another host or behind redirects.
+    /// For artifacts, which may be served from another host or behind redirects;
+    /// with the same TLS settings as the provider's own calls.
     artifact_agent: ureq::Agent,
+    /// What the provider's certificate is checked against, for error messages.
+    roots: std::sync::Arc<str>,
 }
 
 /// How many redirects an artifact download follows.
@@ -71,11 +81,14 @@ const ARTIFACT_REDIRECTS: u32 = 5;
 
 impl HttpProvider {
     /// The adapter for a catalogue entry; the auth header is read from the
-    /// environment variable the entry names.
-    pub fn new(name: &str, spec: &ProviderSpec) -> Self {
+    /// environment variable the entry names, and the TLS files it names are read
+    /// and checked now.
+    pub fn new(name: &str, spec: &ProviderSpec) -> Result<Self, Error> {
         let timeout = spec.call_timeout();
+        let tls = tls::settings(name, &spec.tls)?;
         let config = |pooled: bool, redirects: u32| {
             ureq::Agent::config_builder()
+                .tls_config(tls.config.clone())
                 .http_status_as_error(false)
                 .timeout_global(Some(timeout))
                 // A connect that fails is "not sent"; keep it inside the call timeout.
@@ -94,7 +107,7 @@ impl HttpProvider {
         // and verification are free to repeat and keep their connections. The
         // protocol's own calls follow no redirect; an artifact may live elsewhere.
         let (agent, call_agent, artifact_agent) = (config(true, 0), config(false, 0), config(true, ARTIFACT_REDIRECTS));
-        Self {
+        Ok(Self {
             name: name.to_owned(),
             base_url: spec.base_url.trim_end_matches('/').to_owned(),
             auth_header: spec.auth_header_env.as_ref().and_then(|var| std::env::var(var).ok()),
@@ -103,7 +116,13 @@ impl HttpProvider {
             agent,
             call_agent,
             artifact_agent,
-        }
+            roots: tls.roots.into(),
+        })
+    }
+
+    /// The adapters of every provider in the catalogue, by name.
+    pub fn all_of(catalog: &Catalog) -> Result<HashMap<String, HttpProvider>, Error> {
+        catalog.providers.iter().map(|(name, spec)| Ok((name.clone(), HttpProvider::new(name, spec)?))).collect()
     }
 
     pub fn capabilities(&self) -> ProviderCapabilities {
@@ -129,7 +148,7 @@ impl HttpProvider {
             if let Some(auth) = &this.auth_header {
                 request = request.header("Authorization", auth.as_str());
             }
-            answer_of(request.send_json(&body))
+            this.answer_of(request.send_json(&body))
         })
         .await
     }
@@ -138,7 +157,7 @@ impl HttpProvider {
     pub async fn poll(&self, request_id: &str) -> CallAnswer {
         let this = self.clone();
         let url = format!("{}/v1/operations/{request_id}", self.base_url);
-        blocking(move || answer_of(this.with_auth(this.agent.get(url)).call())).await
+        blocking(move || this.answer_of(this.with_auth(this.agent.get(url)).call())).await
     }
 
     /// Asks whether the provider received the operation with this key.
@@ -153,13 +172,13 @@ impl HttpProvider {
                 let _ = r.body_mut().read_to_vec();
                 Lookup::NeverReceived
             }
-            Ok(r) if r.status().is_success() => match answer_of(Ok(r)) {
+            Ok(r) if r.status().is_success() => match this.answer_of(Ok(r)) {
                 CallAnswer::Done { request_id, result } => Lookup::Found { request_id, result: Some(result) },
                 CallAnswer::Accepted { request_id } => Lookup::Found { request_id, result: None },
-                CallAnswer::Outcome(o) => Lookup::NoAnswer(format!("{o:?}")),
+                CallAnswer::Outcome(o, _) => Lookup::NoAnswer(format!("{o:?}")),
             },
             Ok(r) => Lookup::NoAnswer(format!("status {}", r.status())),
-            Err(e) => Lookup::NoAnswer(e.to_string()),
+            Err(e) => Lookup::NoAnswer(this.describe(&e)),
         })
         .await
     }
@@ -174,7 +193,7 @@ impl HttpProvider {
         blocking(move || {
             let request = this.artifact_agent.get(&uri);
             let request = if same_origin(&this.base_url, &uri) { this.with_auth(request) } else { request };
-            let mut response = request.call().map_err(|e| VerifyError::Unreachable(e.to_string()))?;
+            let mut response = request.call().map_err(|e| VerifyError::Unreachable(this.describe(&e)))?;
             if !response.status().is_success() {
                 return Err(VerifyError::Unreachable(format!("status {}", response.status())));
             }
@@ -188,6 +207,26 @@ impl HttpProvider {
             if actual == expected { Ok(()) } else { Err(VerifyError::Mismatch { expected, actual }) }
         })
         .await
+    }
+
+    /// What a failed exchange came to, in words; a refused TLS handshake says
+    /// which certificate problem and what the certificate was checked against.
+    fn describe(&self, e: &ureq::Error) -> String {
+        match tls::refused_handshake(e) {
+            Some(tls) => format!(
+                "the TLS handshake with provider `{}` failed: {tls} (its certificate is checked against {})",
+                self.name, self.roots
+            ),
+            None => e.to_string(),
+        }
+    }
+
+    /// What an HTTP exchange came to, as the error table needs it.
+    fn answer_of(&self, response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> CallAnswer {
+        match response {
+            Ok(response) => answer_of(response),
+            Err(e) => CallAnswer::Outcome(outcome_of_error(&e), Some(self.describe(&e))),
+        }
     }
 
     fn with_auth<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -223,12 +262,8 @@ struct Answer {
     result: Option<ProviderResult>,
 }
 
-/// What an HTTP exchange came to, as the error table needs it.
-fn answer_of(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> CallAnswer {
-    let mut response = match response {
-        Ok(r) => r,
-        Err(e) => return CallAnswer::Outcome(outcome_of_error(&e)),
-    };
+/// What an answer that arrived came to, as the error table needs it.
+fn answer_of(mut response: ureq::http::Response<ureq::Body>) -> CallAnswer {
     let status = response.status().as_u16();
     let problem_body = response
         .headers()
@@ -245,14 +280,14 @@ fn answer_of(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) ->
         Ok(body) => body,
         // The status arrived and the body broke off: the provider answered, but
         // for a success we cannot know what it said.
-        Err(_) if (200..300).contains(&status) => return CallAnswer::Outcome(CallOutcome::ResetMidResponse),
+        Err(_) if (200..300).contains(&status) => return CallAnswer::Outcome(CallOutcome::ResetMidResponse, None),
         Err(_) => Vec::new(),
     };
     if !(200..300).contains(&status) {
         // A problem document the body does not hold is no proof of who answered.
         let problem_body =
             problem_body && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.is_object());
-        return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after, problem_body });
+        return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after, problem_body }, None);
     }
     match serde_json::from_slice::<Answer>(&body) {
         Ok(Answer { request_id, status: s, result: Some(result) }) if s == "succeeded" => {
@@ -262,18 +297,23 @@ fn answer_of(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) ->
             CallAnswer::Accepted { request_id }
         }
         // A success we cannot read: the work may have happened.
-        _ => CallAnswer::Outcome(CallOutcome::ResetMidResponse),
+        _ => CallAnswer::Outcome(CallOutcome::ResetMidResponse, None),
     }
 }
 
 /// Only failures that certainly happened before the request left are "not sent";
-/// everything else may have reached the provider.
+/// everything else may have reached the provider. A refused TLS handshake is "not
+/// sent": the provider cannot read a request over a connection it did not accept.
 fn outcome_of_error(e: &ureq::Error) -> CallOutcome {
     use ureq::Timeout;
+    if tls::refused_handshake(e).is_some() {
+        return CallOutcome::NotSent;
+    }
     match e {
         ureq::Error::ConnectionFailed
         | ureq::Error::HostNotFound
         | ureq::Error::BadUri(_)
+        | ureq::Error::Tls(_)
         | ureq::Error::Timeout(Timeout::Connect | Timeout::Resolve) => CallOutcome::NotSent,
         ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => CallOutcome::NotSent,
         ureq::Error::Timeout(_) => CallOutcome::TimedOutAfterSend,

@@ -214,8 +214,16 @@ async fn a_provider_that_wants_a_client_certificate_gets_the_configured_one() {
     let client = pki.issue("executor", &["executor.fenceline"], ExtendedKeyUsagePurpose::ClientAuth);
 
     let without = HttpProvider::new("mtls", &spec(&provider.base, json!({ "ca_file": provider.ca }))).expect("adapter");
-    let detail = not_sent_detail(without.start("render", json!({}), "key-anonymous").await);
-    assert!(detail.to_lowercase().contains("certificate"), "the refusal names the certificate: {detail}");
+    match without.start("render", json!({}), "key-anonymous").await {
+        CallAnswer::Outcome(CallOutcome::NotSent, Some(detail)) => {
+            assert!(detail.to_lowercase().contains("certificate"), "the refusal names the certificate: {detail}");
+        }
+        // In TLS 1.3 the client's certificate is judged after the client finished its
+        // handshake and may have written the request: the refusal can arrive as a
+        // closed connection, which only says the request may have left.
+        CallAnswer::Outcome(CallOutcome::ResetMidResponse, Some(_)) => {}
+        other => panic!("a call without the client certificate fails: {other:?}"),
+    }
 
     let with = HttpProvider::new(
         "mtls",

@@ -323,17 +323,29 @@ fn headers_and_value_must_agree_on_the_type() {
     assert_eq!(missing.to_string(), "header event_id is missing");
 }
 
+/// `event`'s fields as the `schema` of another version sees them: the fields that
+/// version has, and nothing else.
+fn as_seen_by(schema: &apache_avro::Schema, event: &Event) -> apache_avro::types::Value {
+    apache_avro::to_value(event).expect("to value").resolve(schema).expect("resolve against the other version")
+}
+
 /// Encodes `event`'s value with an older `writer` schema, as an old producer would.
 fn written_by(writer: &apache_avro::Schema, event: &Event) -> Vec<u8> {
-    let value = match event {
-        Event::TaskStatus(e) => apache_avro::to_value(e).expect("to value"),
-        other => panic!("no writer helper for {}", other.event_type()),
-    };
-    let value = value.resolve(writer).expect("resolve against old schema");
     let mut out = vec![0xC3, 0x01];
     out.extend_from_slice(&writer.fingerprint::<apache_avro::rabin::Rabin>().bytes);
-    out.extend(apache_avro::to_avro_datum(writer, value).expect("old datum"));
+    out.extend(apache_avro::to_avro_datum(writer, as_seen_by(writer, event)).expect("old datum"));
     out
+}
+
+/// The versions of an event type, oldest first: its history (`v1`, `v2`, … ordered
+/// by number, not by name) and then the current schema.
+fn versions(event_type: &str) -> Vec<(String, apache_avro::Schema)> {
+    let mut history = registry().history(event_type);
+    history.sort_by_key(|(label, _)| label.trim_start_matches('v').parse::<u32>().expect("history labels are vN"));
+    let (current, _) = registry().current(event_type).expect("current");
+    let mut all: Vec<(String, apache_avro::Schema)> = history.into_iter().map(|(l, s)| (l.to_owned(), s)).collect();
+    all.push(("current".to_owned(), current.clone()));
+    all
 }
 
 #[test]
@@ -349,6 +361,52 @@ fn every_schema_reads_what_its_previous_versions_wrote() {
     }
     // An empty or unread schemas/history would make this test prove nothing.
     assert!(checked > 0, "no historical schema was found in schemas/history");
+}
+
+/// A rolling upgrade runs two adjacent versions side by side (docs/deploy.md, "Rolling
+/// upgrades"): each must read the other's records. For every version kept in
+/// schemas/history and the one after it, the newer reader reads bytes the older
+/// writer wrote (backward) and the older reader reads bytes the newer writer wrote
+/// (forward), keeping every field the older version has.
+#[test]
+fn adjacent_versions_read_each_others_records_both_ways() {
+    let mut pairs = 0;
+    for sample in samples() {
+        let event_type = sample.event_type();
+        for adjacent in versions(event_type).windows(2) {
+            let [(old_label, old), (new_label, new)] = adjacent else { unreachable!("windows of two") };
+            let context = format!("{event_type} {old_label} and {new_label}");
+            assert!(SchemaCompatibility::can_read(old, new).is_ok(), "{context}: the newer cannot read the older");
+            assert!(SchemaCompatibility::can_read(new, old).is_ok(), "{context}: the older cannot read the newer");
+
+            // Backward: the older writer's bytes, through the newer reader.
+            let old_bytes = written_by(old, &sample);
+            let read = apache_avro::from_avro_datum(old, &mut &old_bytes[10..], Some(new))
+                .unwrap_or_else(|e| panic!("{context}: the newer reader refuses the older bytes: {e}"));
+            assert_eq!(read.resolve(old).expect("back to the older"), as_seen_by(old, &sample), "{context}: backward");
+
+            // Forward: the newer writer's bytes, through the older reader.
+            let new_bytes = written_by(new, &sample);
+            let read = apache_avro::from_avro_datum(new, &mut &new_bytes[10..], Some(old))
+                .unwrap_or_else(|e| panic!("{context}: the older reader refuses the newer bytes: {e}"));
+            assert_eq!(read, as_seen_by(old, &sample), "{context}: forward");
+
+            if new_label == "current" {
+                // What this build writes is what the previous build's decoder gets.
+                let (encoded, _) = encode(&sample).expect("encode");
+                assert_eq!(encoded, new_bytes, "{context}: the current encoder writes the current version");
+                let decoded = decode(&old_bytes).unwrap_or_else(|e| panic!("{context}: decode: {e}"));
+                assert_eq!(
+                    as_seen_by(old, &decoded),
+                    as_seen_by(old, &sample),
+                    "{context}: decode keeps the older fields"
+                );
+            }
+            pairs += 1;
+        }
+    }
+    // Without a kept version nothing here runs: that is a failure, not a pass.
+    assert!(pairs > 0, "schemas/history keeps no previous version of any event type");
 }
 
 /// Bytes a v1 producer wrote (the golden record of `RequestRejected` before it

@@ -16,7 +16,7 @@ use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
-use fenceline_domain::limits::take_token;
+use fenceline_domain::limits::take_tokens;
 use fenceline_events::Timestamp;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -313,7 +313,9 @@ impl Dispatcher {
             }
         }
         let (tokens, refilled_at) = held.bucket;
-        let (left, wait) = take_token(tokens, refilled_at, provider.rate_per_second, provider.burst, now);
+        // One token per call the attempt will make to the provider, not one per attempt.
+        let calls = kind.calls_to_after(provider_name, row.lifecycle.resume_after_step.as_deref());
+        let (left, wait) = take_tokens(tokens, refilled_at, provider.rate_per_second, provider.burst, now, calls);
         if let Some(wait) = wait {
             return Ok(Tried::RateLimited(now + wait));
         }

@@ -251,6 +251,19 @@ impl KindSpec {
             .or_else(|| self.steps.iter().find_map(|s| s.call().map(|(provider, _)| provider)))
     }
 
+    /// How many calls to `provider` an attempt that resumes after step `after`
+    /// makes: its call steps at that provider up to the next approval, where the
+    /// attempt hands its grant back. Each takes a token of the provider's rate.
+    pub fn calls_to_after(&self, provider: &str, after: Option<&str>) -> u32 {
+        let ahead = &self.steps[self.step_index_after(after).min(self.steps.len())..];
+        let calls = ahead
+            .iter()
+            .take_while(|s| s.approval_signal.is_none())
+            .filter(|s| s.call().is_some_and(|(p, _)| p == provider))
+            .count();
+        u32::try_from(calls).unwrap_or(u32::MAX)
+    }
+
     /// The step that follows `after` (the first step when `None`).
     pub fn step_index_after(&self, after: Option<&str>) -> usize {
         after.and_then(|name| self.steps.iter().position(|s| s.name == name)).map_or(0, |i| i + 1)
@@ -391,6 +404,8 @@ mod tests {
         assert_eq!(kind.steps[1].call(), Some(("img", "pay")));
         assert_eq!(kind.step_index_after(None), 0);
         assert_eq!(kind.step_index_after(Some("approve")), 1);
+        assert_eq!(kind.calls_to_after("img", None), 0, "the first attempt stops at the approval");
+        assert_eq!(kind.calls_to_after("img", Some("approve")), 1);
         let img = catalog.provider("img").expect("img");
         assert_eq!(img.overrides().get(&409), Some(&ErrorClass::Ambiguous));
         assert!(img.error_table().safe_5xx.is_empty(), "no 5xx is safe unless declared");

@@ -12,12 +12,28 @@ use crate::vocabulary::ErrorClass;
 /// `rate` per second up to `burst`. Returns the tokens left and, when the bucket is
 /// empty, how many microseconds until the next token (nothing was taken then).
 pub fn take_token(tokens: f64, refilled_at: Micros, rate: f64, burst: f64, now: Micros) -> (f64, Option<Micros>) {
+    take_tokens(tokens, refilled_at, rate, burst, now, 1)
+}
+
+/// As [`take_token`], for an attempt that will make `calls` calls to the provider:
+/// one token per call, all or none. More calls than the burst take the whole burst
+/// (a full bucket always admits the attempt, which then cannot exceed the rate by
+/// more than its own calls).
+pub fn take_tokens(
+    tokens: f64,
+    refilled_at: Micros,
+    rate: f64,
+    burst: f64,
+    now: Micros,
+    calls: u32,
+) -> (f64, Option<Micros>) {
+    let want = f64::from(calls.max(1)).min(burst.max(1.0));
     let elapsed = (now.saturating_sub(refilled_at)).max(0) as f64 / 1_000_000.0;
     let available = (tokens + elapsed * rate).min(burst);
-    if available >= 1.0 {
-        (available - 1.0, None)
+    if available >= want {
+        (available - want, None)
     } else {
-        let wait = ((1.0 - available) / rate * 1_000_000.0).ceil() as Micros;
+        let wait = ((want - available) / rate * 1_000_000.0).ceil() as Micros;
         (available, Some(wait.max(1)))
     }
 }
@@ -188,6 +204,16 @@ mod tests {
         assert_eq!(wait, Some(500_000), "at 2 per second the next token comes in 0.5 s");
         let (left, wait) = take_token(tokens, at, 2.0, 3.0, 500_000);
         assert_eq!((left, wait), (0.0, None));
+    }
+
+    #[test]
+    fn an_attempt_that_calls_twice_takes_two_tokens() {
+        let (left, wait) = take_tokens(3.0, 0, 2.0, 3.0, 0, 2);
+        assert_eq!((left, wait), (1.0, None));
+        let (kept, wait) = take_tokens(left, 0, 2.0, 3.0, 0, 2);
+        assert_eq!((kept, wait), (1.0, Some(500_000)), "one token short: nothing taken, wait for one more");
+        let (left, wait) = take_tokens(5.0, 0, 1.0, 5.0, 0, 9);
+        assert_eq!((left, wait), (0.0, None), "more calls than the burst take the whole burst");
     }
 
     proptest! {

@@ -19,8 +19,8 @@ pub struct Error(pub String);
 #[derive(Debug, Clone, Args)]
 pub struct PostgresConfig {
     /// Postgres connection URL. The service keeps its tables in its own schema of
-    /// this database.
-    #[arg(long = "database-url", env = "FENCELINE_DATABASE_URL")]
+    /// this database. It may hold a password, so `--help` never shows its value.
+    #[arg(long = "database-url", env = "FENCELINE_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 
     /// Schema that holds this service's tables (default: the service's name).

@@ -5,6 +5,7 @@
 
 use fenceline_bus::Inbound;
 use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::Phase;
 use fenceline_events::{Event, Timestamp};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -77,7 +78,7 @@ fn line(event: &Event, produced_at: Timestamp) -> Option<Line> {
             format!("claimed by {} with fencing token {}", e.worker, e.fencing_token),
         ),
         Event::CallIntentRecorded(e) => Line {
-            phase: Some("call_intent".into()),
+            phase: Some(Phase::CallIntent.as_str().to_owned()),
             ..line(
                 e.task_id,
                 e.recorded_at,
@@ -87,7 +88,7 @@ fn line(event: &Event, produced_at: Timestamp) -> Option<Line> {
             )
         },
         Event::ProviderAccepted(e) => Line {
-            phase: Some("provider_accepted".into()),
+            phase: Some(Phase::ProviderAccepted.as_str().to_owned()),
             ..line(
                 e.task_id,
                 e.accepted_at,

@@ -39,7 +39,7 @@ pub fn brokers() -> String {
 }
 
 /// Logs of the code under test go to the test's stderr (shown for failing tests).
-fn init_telemetry() {
+pub(crate) fn init_telemetry() {
     static GUARD: std::sync::OnceLock<fenceline_telemetry::TelemetryGuard> = std::sync::OnceLock::new();
     GUARD.get_or_init(|| fenceline_telemetry::init("test"));
 }

@@ -216,6 +216,20 @@ impl OwnPostgres {
         self.dir.join("data")
     }
 
+    /// Restarts the cluster as a crash would (`-m immediate`: no shutdown checkpoint,
+    /// recovery on start); returns once it accepts connections again.
+    pub async fn restart_as_after_a_crash(&self) {
+        let data = self.data().display().to_string();
+        let status = tokio::task::spawn_blocking(move || {
+            pg_command(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "-t", "60", "restart"])
+                .stdout(std::process::Stdio::null())
+                .status()
+        })
+        .await
+        .expect("pg thread");
+        assert!(status.as_ref().is_ok_and(|s| s.success()), "pg_ctl restart failed: {status:?}");
+    }
+
     /// The URL of its `fenceline` database.
     pub fn url(&self) -> String {
         format!("postgres://fenceline@127.0.0.1:{}/fenceline", self.port)

@@ -13,8 +13,8 @@ use fenceline_domain::vocabulary::Priority;
 use fenceline_events::{Event, TaskAccepted, Timestamp, encode_record, topics};
 use serde_json::{Value, json};
 
-use crate::process::{OwnBroker, Proc, free_port};
-use crate::{PARTITIONS, fresh_database, kafka_at};
+use crate::process::{OwnBroker, OwnPostgres, Proc, free_port};
+use crate::{PARTITIONS, fresh_database, init_telemetry, kafka_at};
 
 /// The test binary that runs any service: beside the test executable's folder
 /// (`target/<profile>/fenceline-host`).
@@ -185,6 +185,8 @@ pub struct System {
     pub brokers: String,
     /// The broker of this system's own, for tests that stop and restart it.
     own_broker: Option<OwnBroker>,
+    /// The Postgres cluster of this system's own, for tests that restart it.
+    own_postgres: Option<OwnPostgres>,
 }
 
 impl System {
@@ -194,13 +196,20 @@ impl System {
     /// service runs yet: call [`System::spawn`]. Its topics live on the test stack's
     /// broker under a prefix of their own.
     pub async fn new(providers: &[(&str, Caps)]) -> Self {
-        Self::build(providers, None).await
+        Self::build(providers, None, None).await
     }
 
     /// As [`System::new`], on a broker of the system's own that the test may kill
     /// and restart ([`System::broker`]).
     pub async fn with_own_broker(providers: &[(&str, Caps)]) -> Self {
-        Self::build(providers, Some(OwnBroker::start().await)).await
+        Self::build(providers, Some(OwnBroker::start().await), None).await
+    }
+
+    /// As [`System::with_own_broker`], on a Postgres cluster of its own too, which the
+    /// test may restart ([`System::postgres`]) without disturbing the tests beside it.
+    pub async fn with_own_broker_and_postgres(providers: &[(&str, Caps)]) -> Self {
+        let (broker, postgres) = tokio::join!(OwnBroker::start(), OwnPostgres::start());
+        Self::build(providers, Some(broker), Some(postgres)).await
     }
 
     /// The system's own broker; panics for a system on the shared one.
@@ -208,8 +217,21 @@ impl System {
         self.own_broker.as_ref().expect("this system shares the test stack's broker: build it with_own_broker")
     }
 
-    async fn build(providers: &[(&str, Caps)], own_broker: Option<OwnBroker>) -> Self {
-        let url = fresh_database().await;
+    /// The system's own Postgres cluster; panics for a system on the shared one.
+    pub fn postgres(&self) -> &OwnPostgres {
+        self.own_postgres.as_ref().expect("this system shares the test stack's Postgres: build it with its own")
+    }
+
+    async fn build(
+        providers: &[(&str, Caps)],
+        own_broker: Option<OwnBroker>,
+        own_postgres: Option<OwnPostgres>,
+    ) -> Self {
+        init_telemetry();
+        let url = match &own_postgres {
+            Some(postgres) => postgres.url(),
+            None => fresh_database().await,
+        };
         let brokers = own_broker.as_ref().map(OwnBroker::brokers).unwrap_or_else(crate::brokers);
         let prefix = format!("s{}.", uuid::Uuid::now_v7().simple());
         let topics_kafka = kafka_at(&brokers, &prefix);
@@ -296,6 +318,7 @@ impl System {
             env,
             brokers,
             own_broker,
+            own_postgres,
         }
     }
 

@@ -3,8 +3,9 @@
 //! capabilities and scripted misbehaviour (latency, 429, 5xx, hangs, dropped
 //! answers). While 1,000 tasks arrive through intake's API (some submitted twice),
 //! every service is SIGKILLed at random moments or crashed at a named fault point,
-//! the broker is restarted once and Postgres once. When the faults stop, the run
-//! waits for the system to drain and judges it by the providers' own logs.
+//! the broker is restarted once and Postgres once (both the run's own, so other
+//! suites run beside it). When the faults stop, the run waits for the system to
+//! drain and judges it by the providers' own logs.
 //!
 //! Each run prints its seed; `FENCELINE_CHAOS_SEED=<seed>` replays the same choices
 //! (the timing of the machine is not replayed). `FENCELINE_CHAOS_SOAK=1` runs longer
@@ -172,31 +173,6 @@ async fn client(intake: String, tokens: Vec<String>, plan: Plan) -> (HashMap<usi
     .expect("client thread")
 }
 
-/// Restarts Postgres as a crash would (`-m immediate`: no shutdown checkpoint,
-/// recovery on start). Needs the cluster's folder, which the test command names.
-fn restart_postgres() {
-    let data =
-        std::env::var("FENCELINE_TEST_PG_DATA").expect("FENCELINE_TEST_PG_DATA (deploy/local/stack test sets it)");
-    let bin = std::env::var("FENCELINE_PG_BIN").expect("FENCELINE_PG_BIN (deploy/local/stack test sets it)");
-    let pg_ctl = format!("{bin}/pg_ctl");
-    let args = ["-D", data.as_str(), "-m", "immediate", "-w", "-t", "60", "restart"];
-    let mut command = if running_as_root() {
-        let mut c = std::process::Command::new("runuser");
-        c.args(["-u", "postgres", "--", pg_ctl.as_str()]).args(args);
-        c
-    } else {
-        let mut c = std::process::Command::new(&pg_ctl);
-        c.args(args);
-        c
-    };
-    let status = command.stdout(std::process::Stdio::null()).status().expect("pg_ctl runs");
-    assert!(status.success(), "pg_ctl restart failed: {status}");
-}
-
-fn running_as_root() -> bool {
-    std::process::Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
 /// The services' environment beyond the system's.
 fn extra(service: &str) -> Vec<(&'static str, String)> {
     match service {
@@ -338,7 +314,9 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         plan.seed
     );
     let mut rng = StdRng::seed_from_u64(plan.seed);
-    let mut system = System::with_own_broker(&[
+    // A broker and a Postgres of the run's own: it restarts both, and the other suites
+    // run beside it on the test stack's.
+    let mut system = System::with_own_broker_and_postgres(&[
         ("imagegen", Caps { lookup: true, ..Caps::default() }),
         ("sketcher", Caps::default()),
         ("llm", Caps { idempotency_keys: true, ..Caps::default() }),
@@ -413,7 +391,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         }
         if figures.postgres_restarts == 0 && started.elapsed() >= postgres_at {
             figures.deaths.push(Timestamp::now().0);
-            tokio::task::spawn_blocking(restart_postgres).await.expect("pg_ctl thread");
+            system.postgres().restart_as_after_a_crash().await;
             figures.deaths.push(Timestamp::now().0);
             figures.postgres_restarts += 1;
             continue;

@@ -92,7 +92,9 @@ impl HttpProvider {
                 .http_status_as_error(false)
                 .timeout_global(Some(timeout))
                 // A connect that fails is "not sent"; keep it inside the call timeout.
-                .timeout_connect(Some(timeout.min(Duration::from_secs(2)) / 2))
+                // It includes the TLS handshake, which a busy host (or the first
+                // use of the system's roots) can hold up for a second or more.
+                .timeout_connect(Some(timeout.min(Duration::from_secs(10)) / 2))
                 .max_redirects(redirects)
                 // A redirect to another host gets no credentials.
                 .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)

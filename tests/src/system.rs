@@ -52,10 +52,30 @@ pub async fn http_as(method: &str, url: String, token: &str, body: Option<Value>
     exchange(method, url, Some(format!("Bearer {token}")), body).await
 }
 
+/// As [`http`], with these request headers.
+pub async fn http_with(
+    method: &str,
+    url: String,
+    headers: &[(&str, &str)],
+    body: Option<Value>,
+) -> Result<(u16, Value), String> {
+    let headers = headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    exchange_with(method, url, headers, body).await
+}
+
 async fn exchange(
     method: &str,
     url: String,
     auth: Option<String>,
+    body: Option<Value>,
+) -> Result<(u16, Value), String> {
+    exchange_with(method, url, auth.map(|a| ("Authorization".to_owned(), a)).into_iter().collect(), body).await
+}
+
+async fn exchange_with(
+    method: &str,
+    url: String,
+    headers: Vec<(String, String)>,
     body: Option<Value>,
 ) -> Result<(u16, Value), String> {
     let method = method.to_owned();
@@ -66,8 +86,8 @@ async fn exchange(
             .build()
             .new_agent();
         let mut request = ureq::http::Request::builder().method(method.as_str()).uri(&url);
-        if let Some(auth) = auth {
-            request = request.header("Authorization", auth);
+        for (name, value) in headers {
+            request = request.header(name, value);
         }
         let response = match body {
             Some(body) => agent.run(

@@ -501,3 +501,59 @@ async fn a_broker_down_for_30_seconds_delays_events_but_loses_none() {
         stats.failed_deliveries.load(std::sync::atomic::Ordering::Relaxed)
     );
 }
+
+/// Waits until `check` holds, or panics with `what` after `timeout`.
+async fn eventually(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !check() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Readiness rests on `joined` (docs/operations.md): an instance the group left
+/// without partitions, because others hold them all, is still a ready member. The
+/// lag it reports comes from the client's statistics and the database's progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_left_without_partitions_has_joined_and_held_partitions_report_their_lag() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
+    let upstream = Upstream::start(&url, &prefix).await;
+    let published = events(30, 1);
+    upstream.publish(&published).await;
+    let probe_db = schema(&url, "probe").await;
+    // Nothing is applied while this is armed: every batch fails before its commit.
+    fenceline_bus::faults::__fail::cfg("consumer.before_db_commit", "return").expect("arm the fault point");
+    let shutdown = CancellationToken::new();
+    let consumers: Vec<_> = (0..=PARTITIONS)
+        .map(|i| spawn_consumer(&probe_db, &prefix, &group, &format!("probe-{i}"), &shutdown))
+        .collect();
+    let stats: Vec<_> = consumers.iter().map(|c| c.stats()).collect();
+    let assigned = |s: &fenceline_bus::ConsumerStats| s.assigned_partitions.load(std::sync::atomic::Ordering::Relaxed);
+    let joined = |s: &fenceline_bus::ConsumerStats| s.joined.load(std::sync::atomic::Ordering::Acquire);
+    eventually("every instance joined and the partitions are spread", Duration::from_secs(60), || {
+        stats.iter().all(|s| joined(s)) && stats.iter().map(|s| assigned(s)).sum::<usize>() == PARTITIONS as usize
+    })
+    .await;
+    assert!(stats.iter().any(|s| assigned(s) == 0), "one instance more than partitions holds none");
+    let total_lag = |stats: &[std::sync::Arc<fenceline_bus::ConsumerStats>]| {
+        stats.iter().flat_map(|s| s.lag()).map(|(_, lag)| lag).sum::<i64>()
+    };
+    eventually("the lag counts every record not applied", Duration::from_secs(30), || {
+        total_lag(&stats) == published.len() as i64
+    })
+    .await;
+    assert_eq!(probe_counts(&probe_db.pool).await.0, 0, "nothing was applied meanwhile");
+
+    fenceline_bus::faults::__fail::remove("consumer.before_db_commit");
+    wait_applied(&probe_db.pool, published.len() as i64, Duration::from_secs(60)).await;
+    eventually("the lag falls to zero once everything is applied", Duration::from_secs(30), || {
+        let lag: Vec<_> = stats.iter().flat_map(|s| s.lag()).collect();
+        lag.len() == PARTITIONS as usize && total_lag(&stats) == 0
+    })
+    .await;
+    shutdown.cancel();
+    for consumer in consumers {
+        consumer.join().await;
+    }
+}

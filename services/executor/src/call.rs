@@ -291,6 +291,11 @@ impl Workers {
         request_id: &str,
         result: ProviderResult,
     ) -> Result<Option<ArtifactRef>, Stop> {
+        // The provider did the work: it charges for it, whatever the verification finds.
+        fenceline_telemetry::metrics::global()
+            .provider_charges
+            .get_or_create(&fenceline_telemetry::metrics::ProviderLabels { provider: call.provider.name().to_owned() })
+            .inc();
         let backoff = Backoff { base: Duration::from_millis(self.settings.poll_ms.max(1)), cap: CALL_BACKOFF_CAP };
         let mut tries = 0u32;
         loop {

@@ -26,8 +26,8 @@ impl Handler for GrantRecorder {
                 }
                 let inserted = sqlx::query(
                     "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, \
-                     resume_after_step, provider, deadline_us, lease_budget_ms) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (grant_id) DO NOTHING",
+                     resume_after_step, provider, deadline_us, lease_budget_ms, traceparent) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (grant_id) DO NOTHING",
                 )
                 .bind(g.grant_id.as_uuid())
                 .bind(g.task_id.as_uuid())
@@ -40,6 +40,8 @@ impl Handler for GrantRecorder {
                 .bind(&g.provider)
                 .bind(g.deadline.map(|d| d.0))
                 .bind(g.lease_budget_ms)
+                // The handler's span continues the grant's trace; the execution joins it.
+                .bind(fenceline_telemetry::current_traceparent())
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();

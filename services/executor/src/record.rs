@@ -118,6 +118,7 @@ impl Workers {
             match outcome {
                 Ok(recorded) => {
                     lease.phase = transition.phase;
+                    count_ends(events);
                     return Ok(recorded);
                 }
                 Err(Stop::Fenced) if tries > 0 && self.already_recorded(lease, &transition).await => {
@@ -229,6 +230,19 @@ impl Workers {
         self.record(lease, Transition::end(lease, Status::Released), &[event]).await?;
         info!(task_id = %lease.task_id, %reason, "attempt released before any call");
         Ok(())
+    }
+}
+
+/// Counts the attempts `events` end, once they are committed.
+fn count_ends(events: &[Event]) {
+    let metrics = fenceline_telemetry::metrics::global();
+    for event in events {
+        match event {
+            Event::AttemptSucceeded(_) => metrics.attempt_ended("succeeded", "none"),
+            Event::AttemptFailed(e) => metrics.attempt_ended("failed", e.error_class.as_str()),
+            Event::AttemptReleased(e) => metrics.attempt_ended("released", e.reason.as_str()),
+            _ => {}
+        }
     }
 }
 

@@ -28,7 +28,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
 use crate::call::Ends;
@@ -84,6 +84,8 @@ struct ClaimRow {
     deadline_us: Option<i64>,
     /// The database's clock when it granted the lease (micros).
     db_now_us: i64,
+    /// The trace of the grant; the execution's span continues it.
+    traceparent: Option<String>,
 }
 
 /// Taken off every lease this worker believes it holds: the hop from a check to
@@ -155,8 +157,8 @@ impl Workers {
         let worker = format!("{}#{index}", self.name);
         while !shutdown.is_cancelled() {
             match self.claim(&worker).await {
-                Ok(Some((claim, sent))) => {
-                    if let Err(e) = self.execute(claim, sent, &shutdown).await {
+                Ok(Some((claim, sent, span))) => {
+                    if let Err(e) = self.execute(claim, sent, &shutdown).instrument(span).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
                             Stop::LeaseLapsed => warn!(%worker, "{e}"),
@@ -184,7 +186,7 @@ impl Workers {
     /// larger fencing token. A takeover after `call_intent` is reported lost here.
     /// Expiry is judged by the database's clock in the same statement; the instant
     /// returned with the claim is when the statement was sent (monotonic).
-    async fn claim(&self, worker: &str) -> Result<Option<(ClaimRow, Instant)>, Stop> {
+    async fn claim(&self, worker: &str) -> Result<Option<(ClaimRow, Instant, tracing::Span)>, Stop> {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
@@ -202,7 +204,7 @@ impl Workers {
              RETURNING e.grant_id, e.task_id, e.attempt, e.generation, e.kind, e.input_json, e.resume_after_step, \
                  e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
                  e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
-                 e.deadline_us, clock.now_us AS db_now_us"
+                 e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
         ))
         .bind(worker)
         .bind(lease_us)
@@ -211,6 +213,29 @@ impl Workers {
         let Some(claim) = claimed else {
             return Ok(None);
         };
+        // One span per execution, a child of the grant's trace: every event it
+        // writes and every call it makes carries that trace on.
+        let span = tracing::info_span!(
+            "execution",
+            task_id = %claim.task_id,
+            attempt = claim.attempt,
+            grant_id = %claim.grant_id,
+            trace_id = tracing::field::Empty,
+        );
+        fenceline_telemetry::continue_trace(&span, claim.traceparent.as_deref());
+        fenceline_telemetry::record_trace_id(&span);
+        let claimed = self.claimed(tx, claim, worker).instrument(span.clone()).await?;
+        Ok(claimed.map(|claim| (claim, sent, span)))
+    }
+
+    /// Writes what the claim found: the attempt lost (a takeover after the call
+    /// intent) or claimed, in the claim's transaction.
+    async fn claimed(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        claim: ClaimRow,
+        worker: &str,
+    ) -> Result<Option<ClaimRow>, Stop> {
         let phase = read_phase(&claim.phase);
         let task_id = TaskId::from_uuid(claim.task_id);
         let grant_id = GrantId::from_uuid(claim.grant_id);
@@ -234,6 +259,9 @@ impl Workers {
             self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
             tx.commit().await?;
             self.outbox.committed();
+            let metrics = fenceline_telemetry::metrics::global();
+            metrics.leases_taken_over.inc();
+            metrics.attempt_ended("lost", "none");
             warn!(%task_id, %grant_id, %phase, "took over a lease after the call intent: attempt reported lost");
             return Ok(None);
         }
@@ -249,9 +277,10 @@ impl Workers {
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {
+            fenceline_telemetry::metrics::global().leases_taken_over.inc();
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
-        Ok(Some((claim, sent)))
+        Ok(Some(claim))
     }
 
     async fn execute(&self, claim: ClaimRow, sent: Instant, shutdown: &CancellationToken) -> Result<(), Stop> {

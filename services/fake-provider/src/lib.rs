@@ -242,6 +242,9 @@ pub struct Call {
     pub outcome: String,
     /// When the call arrived, in milliseconds since the Unix epoch.
     pub received_at_ms: u64,
+    /// The W3C trace context the call arrived with, if any.
+    #[serde(default)]
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -470,6 +473,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         return problem(400, "body must be {\"operation\": ..., \"input\": ...}");
     };
     let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let received_at_us = unix_micros();
     let received_at_ms = u64::try_from(received_at_us / 1_000).unwrap_or(0);
     let arrived = tokio::time::Instant::now();
@@ -515,6 +519,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
             charged,
             outcome: outcome.to_owned(),
             received_at_ms,
+            traceparent: traceparent.clone(),
         });
     };
     if rule.conflict_while_running {

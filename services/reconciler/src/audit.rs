@@ -7,8 +7,9 @@
 //!   changed for longer than the threshold.
 //!
 //! Each audit replaces the findings table; new findings are logged, all are served
-//! at `GET /v1/audit`, counted at `GET /metrics` (both behind the audit token:
-//! they list every tenant's tasks) and listed by `fenceline-reconciler audit`.
+//! at `GET /v1/audit` (behind the audit token: it lists every tenant's tasks),
+//! counted by kind at `GET /metrics` (no task named there) and listed by
+//! `fenceline-reconciler audit`.
 
 use std::time::Duration;
 
@@ -78,17 +79,36 @@ pub async fn findings(pool: &PgPool) -> Result<Vec<Finding>, sqlx::Error> {
         .await
 }
 
-/// The findings as Prometheus text: one gauge per kind of finding.
-pub fn metrics(findings: &[Finding]) -> String {
-    let mut out = String::from(
-        "# HELP fenceline_audit_findings Tasks the last audit found wrong, by kind of finding.\n\
-         # TYPE fenceline_audit_findings gauge\n",
-    );
-    for kind in ["no_live_expectation", "no_progress"] {
-        let n = findings.iter().filter(|f| f.finding == kind).count();
-        out.push_str(&format!("fenceline_audit_findings{{finding=\"{kind}\"}} {n}\n"));
+/// Kinds of finding, as `GET /metrics` counts them.
+pub const FINDINGS: [&str; 2] = ["no_live_expectation", "no_progress"];
+
+/// Task states that wait for evidence or a person, as `GET /metrics` counts them.
+pub const OPEN_CASE_STATES: [&str; 2] = ["outcome_unknown", "needs_human"];
+
+/// Brings the reconciler's gauges up to date from its tables: the last audit's
+/// findings by kind and the tasks the status topic shows waiting for evidence or a
+/// person. Run at each scrape of `/metrics`.
+pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let metrics = fenceline_telemetry::metrics::global();
+    let findings: Vec<(String, i64)> =
+        sqlx::query_as("SELECT finding, count(*) FROM audit_findings GROUP BY finding").fetch_all(pool).await?;
+    for kind in FINDINGS {
+        let n = findings.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
+        metrics
+            .audit_findings
+            .get_or_create(&fenceline_telemetry::metrics::FindingLabels { finding: kind.into() })
+            .set(n);
     }
-    out
+    let open: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM task_states WHERE state = ANY($1) GROUP BY state")
+            .bind(&OPEN_CASE_STATES[..])
+            .fetch_all(pool)
+            .await?;
+    for state in OPEN_CASE_STATES {
+        let n = open.iter().find(|(k, _)| k == state).map_or(0, |(_, n)| *n);
+        metrics.open_cases.get_or_create(&fenceline_telemetry::metrics::StateLabels { state: state.into() }).set(n);
+    }
+    Ok(())
 }
 
 /// Deletes the reconciler's rows of tasks that finished (`succeeded`, `failed`,

@@ -77,9 +77,9 @@ pub struct ReconcilerSettings {
     #[arg(long = "retention-days", env = "FENCELINE_RECONCILER_RETENTION_DAYS", default_value_t = 30)]
     pub retention_days: u32,
 
-    /// The bearer token `GET /v1/audit` and `GET /metrics` require (they list every
-    /// tenant's tasks). Never printed. Unset: they answer only on a loopback
-    /// `FENCELINE_HTTP_ADDR`, and `401` on any other.
+    /// The bearer token `GET /v1/audit` requires (it lists every tenant's tasks).
+    /// Never printed. Unset: it answers only on a loopback `FENCELINE_HTTP_ADDR`,
+    /// and `401` on any other. (`GET /metrics` names no task and needs no token.)
     #[arg(
         long = "audit-token",
         env = "FENCELINE_RECONCILER_AUDIT_TOKEN",
@@ -172,8 +172,7 @@ fn unauthorized(detail: &str) -> actix_web::HttpResponse {
 pub fn audit_routes(cfg: &mut actix_web::web::ServiceConfig, pool: sqlx::PgPool, access: AuditAccess) {
     cfg.app_data(actix_web::web::Data::new(pool))
         .app_data(actix_web::web::Data::new(access))
-        .route("/v1/audit", actix_web::web::get().to(audit_findings))
-        .route("/metrics", actix_web::web::get().to(metrics));
+        .route("/v1/audit", actix_web::web::get().to(audit_findings));
 }
 
 impl ReconcilerSettings {
@@ -196,7 +195,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     if matches!(access, AuditAccess::Closed) {
         tracing::warn!(
             "the HTTP listener is not on loopback and FENCELINE_RECONCILER_AUDIT_TOKEN is unset: \
-             GET /v1/audit and GET /metrics answer 401"
+             GET /v1/audit answers 401"
         );
     }
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
@@ -204,6 +203,15 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         move |cfg: &mut actix_web::web::ServiceConfig| audit_routes(cfg, pool.clone(), access.clone())
     })
     .await?;
+    let pool = app.base.database.pool.clone();
+    app.base.scrape.probe(move || {
+        let pool = pool.clone();
+        async move {
+            if let Err(e) = audit::refresh_gauges(&pool).await {
+                tracing::warn!(error = %e, "reading the open cases and findings for /metrics failed");
+            }
+        }
+    });
     let wake = Arc::new(tokio::sync::Notify::new());
     let watches = watches::Watches { catalog: catalog.clone(), settings: settings.clone(), wake: wake.clone() };
     app.consume("watches", &[topics::DISPATCH, topics::ATTEMPTS, topics::STATUS], watches)?;
@@ -271,22 +279,6 @@ async fn audit_findings(
     }
 }
 
-async fn metrics(
-    req: actix_web::HttpRequest,
-    access: actix_web::web::Data<AuditAccess>,
-    pool: actix_web::web::Data<sqlx::PgPool>,
-) -> actix_web::HttpResponse {
-    if let Err(detail) = access.check(authorization(&req)) {
-        return unauthorized(detail);
-    }
-    match audit::findings(&pool).await {
-        Ok(found) => {
-            actix_web::HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(audit::metrics(&found))
-        }
-        Err(e) => actix_web::HttpResponse::ServiceUnavailable().body(e.to_string()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser as _;
@@ -328,10 +320,10 @@ mod tests {
     }
 
     #[actix_web::test]
-    async fn the_audit_and_its_metrics_need_the_token() {
+    async fn the_audit_needs_the_token() {
         let remote: std::net::SocketAddr = "0.0.0.0:8080".parse().expect("addr");
         let access = AuditAccess::new(&settings(&["--audit-token", "s3cret-audit"]), remote);
-        for path in ["/v1/audit", "/metrics"] {
+        for path in ["/v1/audit"] {
             for token in [None, Some("wrong")] {
                 let (status, media, body) = get(access.clone(), path, token).await;
                 assert_eq!((status, media.as_str()), (401, "application/problem+json"), "{path} {token:?}: {body}");
@@ -347,7 +339,7 @@ mod tests {
     #[actix_web::test]
     async fn without_a_token_only_a_loopback_listener_serves_the_audit() {
         let loopback = AuditAccess::new(&settings(&[]), "127.0.0.1:0".parse().expect("addr"));
-        assert_eq!(get(loopback, "/metrics", None).await.0, 503, "served (no database here)");
+        assert_eq!(get(loopback, "/v1/audit", None).await.0, 503, "served (no database here)");
         let remote = AuditAccess::new(&settings(&[]), "0.0.0.0:0".parse().expect("addr"));
         let (status, _, body) = get(remote, "/v1/audit", Some("anything")).await;
         assert_eq!(status, 401, "{body}");

@@ -21,7 +21,7 @@ use fenceline_events::Timestamp;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{Instrument as _, debug, warn};
 
 use crate::tasks::{self, Context};
 use crate::{SchedulerSettings, health};
@@ -69,7 +69,8 @@ impl Dispatcher {
             }
             let now = Timestamp::now().0;
             rate_blocked.retain(|_, until| *until > now);
-            let sleep = match self.round(&mut rate_blocked).await {
+            let round = tracing::info_span!("dispatch round", granted = tracing::field::Empty);
+            let sleep = match self.round(&mut rate_blocked).instrument(round).await {
                 Ok(granted) if granted > 0 => continue,
                 Ok(_) => self.until_next_due(&rate_blocked).await,
                 Err(e) => {
@@ -199,6 +200,12 @@ impl Dispatcher {
             }
         }
         tx.commit().await?;
+        let metrics = fenceline_telemetry::metrics::global();
+        metrics.grants.inc_by(round.granted as u64);
+        tracing::Span::current().record("granted", round.granted);
+        for late in &round.lateness {
+            metrics.timer_lateness.observe(*late);
+        }
         if round.granted > 0 {
             // Decided and committed, not yet published: the relay must carry it on.
             let _ = fenceline_bus::faults::drops("scheduler.after_grant_commit");
@@ -220,10 +227,21 @@ impl Dispatcher {
         let Some(row) = tasks::lock_if_due(tx, task_id, now).await? else {
             return Ok(Tried::Skipped);
         };
+        let lateness = row.lifecycle.due_at.map(|due| (now - due).max(0) as f64 / 1e6);
+        // What the dispatcher does to a task joins the task's trace, linked to the round.
+        let span = tracing::info_span!(
+            "grant",
+            task_id = %row.task_id,
+            trace_id = tracing::field::Empty,
+        );
+        span.follows_from(tracing::Span::current().id());
+        fenceline_telemetry::continue_trace(&span, row.traceparent.as_deref());
+        fenceline_telemetry::record_trace_id(&span);
         let ctx =
             Context { outbox: &self.outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel };
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
-            tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).await.map_err(bus_error)?;
+            tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await.map_err(bus_error)?;
+            round.lateness.extend(lateness);
             return Ok(Tried::Skipped);
         }
         let known = self
@@ -319,8 +337,10 @@ impl Dispatcher {
         if let Some(wait) = wait {
             return Ok(Tried::RateLimited(now + wait));
         }
-        let lifecycle =
-            tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now).await.map_err(bus_error)?;
+        let lifecycle = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
+            .instrument(span)
+            .await
+            .map_err(bus_error)?;
         if lifecycle.live_grant.is_none() || lifecycle.live_grant == row.lifecycle.live_grant {
             return Ok(Tried::Skipped);
         }
@@ -331,6 +351,7 @@ impl Dispatcher {
             *round.tenant_slots.entry(tenant_kind).or_default() += 1;
         }
         round.granted += 1;
+        round.lateness.extend(lateness);
         round.tenants.push(row.tenant);
         Ok(Tried::Granted)
     }
@@ -340,6 +361,9 @@ impl Dispatcher {
 #[derive(Debug, Default)]
 struct Round {
     granted: usize,
+    /// Per task acted on, how long after its due instant, in seconds (observed
+    /// only once the round committed).
+    lateness: Vec<f64>,
     /// Tenants granted, whose turn moves to the end when the round commits.
     tenants: Vec<String>,
     /// The providers whose advisory lock this round holds, and their limits.

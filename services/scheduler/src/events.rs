@@ -50,9 +50,11 @@ impl LifecycleEvents {
             Priority::Normal => 1,
             Priority::Low => 2,
         };
+        // The handler's span continues the submission's trace; later work joins it.
+        let traceparent = fenceline_telemetry::current_traceparent();
         let inserted = sqlx::query(
             "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
-             deadline_us) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (task_id) DO NOTHING",
+             deadline_us, traceparent) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (task_id) DO NOTHING",
         )
         .bind(e.task_id.as_uuid())
         .bind(&e.tenant)
@@ -63,6 +65,7 @@ impl LifecycleEvents {
         .bind(sqlx::types::Json(&task))
         .bind(task.state.as_str())
         .bind(e.deadline.map(|t| t.0))
+        .bind(&traceparent)
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -79,6 +82,7 @@ impl LifecycleEvents {
             version: 1,
             pending_signal: None,
             pending_step: None,
+            traceparent,
         };
         outbox.append(tx, topics::STATUS, None, &tasks::status_of(&row, &task, 1, now)).await?;
         tasks::save(tx, self.ctx(outbox), e.task_id, &e.kind, &task, 1).await?;

@@ -25,9 +25,12 @@ pub struct TaskRow {
     pub version: i64,
     pub pending_signal: Option<String>,
     pub pending_step: Option<String>,
+    /// The trace the task's work joins (its TaskAccepted's, as handled here).
+    pub traceparent: Option<String>,
 }
 
-type RawRow = (uuid::Uuid, String, String, String, sqlx::types::Json<Task>, i64, Option<String>, Option<String>);
+type RawRow =
+    (uuid::Uuid, String, String, String, sqlx::types::Json<Task>, i64, Option<String>, Option<String>, Option<String>);
 
 impl From<RawRow> for TaskRow {
     fn from(r: RawRow) -> Self {
@@ -40,12 +43,12 @@ impl From<RawRow> for TaskRow {
             version: r.5,
             pending_signal: r.6,
             pending_step: r.7,
+            traceparent: r.8,
         }
     }
 }
 
-const SELECT: &str =
-    "SELECT task_id, tenant, kind, input_json, lifecycle, version, pending_signal, pending_step FROM tasks";
+const SELECT: &str = "SELECT task_id, tenant, kind, input_json, lifecycle, version, pending_signal, pending_step, traceparent FROM tasks";
 
 /// Loads and row-locks a task.
 pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {

@@ -213,6 +213,23 @@ pub struct ConsumerStats {
     pub assigned_partitions: AtomicUsize,
     /// Partitions stopped because their stored progress lies beyond the log's end.
     pub halted_partitions: AtomicUsize,
+    /// Whether the group has given this instance its assignment (possibly empty:
+    /// other instances may hold every partition); cleared when a rebalance failed
+    /// and the instance gave everything up, until the next assignment.
+    pub joined: std::sync::atomic::AtomicBool,
+    /// Per held partition, records on the broker not applied yet: the high
+    /// watermark the client last heard minus the next offset to apply. Refreshed
+    /// by the polling thread about once a second.
+    pub lag: Mutex<HashMap<(String, i32), i64>>,
+    /// Per held partition, the next offset to apply, as of the last commit.
+    next_offsets: Mutex<HashMap<(String, i32), i64>>,
+}
+
+impl ConsumerStats {
+    /// The lag of every held partition, as of the last refresh.
+    pub fn lag(&self) -> Vec<((String, i32), i64)> {
+        lock(&self.lag).iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
 }
 
 /// The running consumer.
@@ -268,7 +285,36 @@ struct FencedContext {
     halted: Mutex<HashSet<(String, i32)>>,
 }
 
-impl ClientContext for FencedContext {}
+/// How often the client reports its statistics, from which the lag is measured.
+pub(crate) const STATISTICS_INTERVAL_MS: &str = "1000";
+
+impl ClientContext for FencedContext {
+    /// Lag per held partition: the log's end as the client last heard it (the last
+    /// stable offset, which a `read_committed` consumer reads up to) minus the next
+    /// offset the database has applied (or, before any commit, the client's next
+    /// fetch). Runs inside `poll`, about once a second; asks the broker nothing.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let held: Vec<(String, i32)> = lock(&self.owned).keys().cloned().collect();
+        let mut next_offsets = lock(&self.stats.next_offsets);
+        next_offsets.retain(|k, _| held.contains(k));
+        let mut lag = HashMap::with_capacity(held.len());
+        for (topic, partition) in held {
+            let Some(p) = statistics.topics.get(&topic).and_then(|t| t.partitions.get(&partition)) else { continue };
+            let end = if p.ls_offset >= 0 { p.ls_offset } else { p.hi_offset };
+            let next = next_offsets
+                .get(&(topic.clone(), partition))
+                .copied()
+                .or((p.next_offset >= 0).then_some(p.next_offset));
+            if let Some(next) = next
+                && end >= 0
+            {
+                lag.insert((topic, partition), (end - next).max(0));
+            }
+        }
+        drop(next_offsets);
+        *lock(&self.stats.lag) = lag;
+    }
+}
 
 impl ConsumerContext for FencedContext {
     fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
@@ -341,7 +387,14 @@ impl FencedContext {
             }
             self.stats.assigned_partitions.store(owned.len(), Ordering::Relaxed);
             self.stats.halted_partitions.store(halted.len(), Ordering::Relaxed);
+            let mut next_offsets = lock(&self.stats.next_offsets);
+            for ((topic, partition), _, start) in &acquired {
+                if let StartAt::Offset(next) = start {
+                    next_offsets.insert((topic.clone(), *partition), *next);
+                }
+            }
         }
+        self.stats.joined.store(true, std::sync::atomic::Ordering::Release);
         let assigned = match consumer.rebalance_protocol() {
             RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
             _ => consumer.assign(tpl),
@@ -392,6 +445,7 @@ impl FencedContext {
         lock(&self.owned).clear();
         lock(&self.halted).clear();
         self.stats.assigned_partitions.store(0, Ordering::Relaxed);
+        self.stats.joined.store(false, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -461,8 +515,11 @@ impl FencedConsumer {
             assignment_changes: AtomicU64::new(0),
             halted: Mutex::default(),
         };
-        let consumer: Arc<BaseConsumer<FencedContext>> =
-            Arc::new(crate::kafka::consumer_config(kafka, &spec.instance, &spec.group).create_with_context(context)?);
+        let consumer: Arc<BaseConsumer<FencedContext>> = Arc::new(
+            crate::kafka::consumer_config(kafka, &spec.instance, &spec.group)
+                .set("statistics.interval.ms", STATISTICS_INTERVAL_MS)
+                .create_with_context(context)?,
+        );
         let topic_refs: Vec<&str> = spec.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topic_refs)?;
 
@@ -690,6 +747,12 @@ impl<H: Handler> Processor<H> {
             match self.apply_batch(&mine, &owned, condemned.as_ref()).await {
                 Ok(applied) => {
                     self.outbox.committed();
+                    {
+                        let mut next_offsets = lock(&self.stats.next_offsets);
+                        for (topic, partition, last) in &applied.progress {
+                            next_offsets.insert((topic.clone(), *partition), last + 1);
+                        }
+                    }
                     for (topic, partition, last) in applied.progress {
                         if let Err(e) = self.consumer.store_offset(&topic, partition, last) {
                             debug!(topic, partition, error = %e, "offset not stored (partition given up?)");

@@ -7,6 +7,7 @@
 mod tls;
 
 use std::time::Duration;
+use tracing::Instrument as _;
 
 pub use tls::Error;
 
@@ -131,6 +132,42 @@ impl HttpProvider {
         self.capabilities
     }
 
+    /// The provider's name in the catalogue.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A span for one exchange with the provider, a child of the caller's (so of
+    /// the task's trace), and the `traceparent` that carries it to the provider.
+    fn exchange_span(&self, request: &'static str) -> (tracing::Span, Option<String>) {
+        let span = tracing::info_span!(
+            "provider call",
+            otel.name = format!("{request} {}", self.name),
+            otel.kind = "client",
+            provider = %self.name,
+            request,
+            outcome = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+        );
+        fenceline_telemetry::record_trace_id(&span);
+        let traceparent = span.in_scope(fenceline_telemetry::current_traceparent);
+        (span, traceparent)
+    }
+
+    /// Counts an exchange by what it came to, and notes it on its span.
+    fn observed(&self, span: &tracing::Span, request: &'static str, answer: &CallAnswer) {
+        let outcome = match answer {
+            CallAnswer::Done { .. } => "done".to_owned(),
+            CallAnswer::Accepted { .. } => "accepted".to_owned(),
+            CallAnswer::Outcome(CallOutcome::NotSent, _) => "not_sent".to_owned(),
+            CallAnswer::Outcome(CallOutcome::TimedOutAfterSend, _) => "timed_out".to_owned(),
+            CallAnswer::Outcome(CallOutcome::ResetMidResponse, _) => "reset".to_owned(),
+            CallAnswer::Outcome(CallOutcome::Answered { status, .. }, _) => format!("status_{status}"),
+        };
+        span.record("outcome", outcome.as_str());
+        fenceline_telemetry::metrics::global().provider_call(&self.name, request, &outcome);
+    }
+
     /// How this provider's answers are read.
     pub fn errors(&self) -> &ErrorTable {
         &self.errors
@@ -142,7 +179,8 @@ impl HttpProvider {
         let this = self.clone();
         let key = operation_key.to_owned();
         let body = serde_json::json!({ "operation": operation, "input": input });
-        blocking(move || {
+        let (span, traceparent) = self.exchange_span("start");
+        let answer = blocking(move || {
             let mut request = this.call_agent.post(format!("{}/v1/operations", this.base_url));
             if this.capabilities.idempotency_keys || this.capabilities.lookup {
                 request = request.header("Idempotency-Key", key.as_str());
@@ -150,16 +188,27 @@ impl HttpProvider {
             if let Some(auth) = &this.auth_header {
                 request = request.header("Authorization", auth.as_str());
             }
+            if let Some(traceparent) = &traceparent {
+                request = request.header(TRACEPARENT, traceparent.as_str());
+            }
             this.answer_of(request.send_json(&body))
         })
-        .await
+        .instrument(span.clone())
+        .await;
+        self.observed(&span, "start", &answer);
+        answer
     }
 
     /// Polls an accepted operation.
     pub async fn poll(&self, request_id: &str) -> CallAnswer {
         let this = self.clone();
         let url = format!("{}/v1/operations/{request_id}", self.base_url);
-        blocking(move || this.answer_of(this.with_auth(this.agent.get(url)).call())).await
+        let (span, traceparent) = self.exchange_span("poll");
+        let answer = blocking(move || this.answer_of(with_trace(this.with_auth(this.agent.get(url)), traceparent).call()))
+            .instrument(span.clone())
+            .await;
+        self.observed(&span, "poll", &answer);
+        answer
     }
 
     /// Asks whether the provider received the operation with this key.
@@ -169,7 +218,8 @@ impl HttpProvider {
         }
         let this = self.clone();
         let url = format!("{}/v1/operations?operation_key={operation_key}", self.base_url);
-        blocking(move || match this.with_auth(this.agent.get(url)).call() {
+        let (span, traceparent) = self.exchange_span("lookup");
+        let found = blocking(move || match with_trace(this.with_auth(this.agent.get(url)), traceparent).call() {
             Ok(mut r) if r.status().as_u16() == 404 => {
                 let _ = r.body_mut().read_to_vec();
                 Lookup::NeverReceived
@@ -182,7 +232,16 @@ impl HttpProvider {
             Ok(r) => Lookup::NoAnswer(format!("status {}", r.status())),
             Err(e) => Lookup::NoAnswer(this.describe(&e)),
         })
-        .await
+        .instrument(span.clone())
+        .await;
+        let outcome = match &found {
+            Lookup::Found { .. } => "found",
+            Lookup::NeverReceived => "never_received",
+            Lookup::NoAnswer(_) => "no_answer",
+        };
+        span.record("outcome", outcome);
+        fenceline_telemetry::metrics::global().provider_call(&self.name, "lookup", outcome);
+        found
     }
 
     /// Fetches the artifact and checks its sha256 against what the provider said.
@@ -236,6 +295,16 @@ impl HttpProvider {
             Some(auth) => request.header("Authorization", auth.as_str()),
             None => request,
         }
+    }
+}
+
+/// The W3C trace context header every request to a provider carries.
+const TRACEPARENT: &str = "traceparent";
+
+fn with_trace<B>(request: ureq::RequestBuilder<B>, traceparent: Option<String>) -> ureq::RequestBuilder<B> {
+    match traceparent {
+        Some(traceparent) => request.header(TRACEPARENT, traceparent),
+        None => request,
     }
 }
 

@@ -1,6 +1,12 @@
 //! What every service does the same way: connect to its schema and migrate it,
-//! run the outbox relay, answer `/healthz` and `/readyz`, and shut down in order
-//! (stop accepting, drain within the grace period, close the pool).
+//! run the outbox relay, answer `/healthz`, `/readyz` and `/metrics`, trace and
+//! time every HTTP request, and shut down in order (stop accepting, drain within
+//! the grace period, close the pool).
+
+mod http;
+pub mod scrape;
+
+pub use scrape::Probe;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use actix_web::dev::{Server, ServerHandle};
 use actix_web::{App as ActixApp, HttpResponse, HttpServer, web};
-use fenceline_bus::{OutboxWriter, Relay, RelayStats};
+use fenceline_bus::{ConsumerStats, OutboxWriter, Relay, RelayStats};
 use fenceline_config::{HttpConfig, KafkaConfig, OutboxConfig, PostgresConfig};
 use fenceline_store::Database;
 use sqlx::migrate::Migrator;
@@ -34,16 +40,33 @@ pub enum Error {
     Kafka(#[from] fenceline_bus::kafka::ConnectError),
 }
 
-/// Whether the service may be sent traffic. `/readyz` also checks the database.
+/// Whether the service may be sent traffic: it started (its migrations ran) and is
+/// not shutting down, and each of its consumers holds its assignment. `/readyz`
+/// also checks the database.
 #[derive(Debug, Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness {
+    started: Arc<AtomicBool>,
+    consumers: Arc<std::sync::Mutex<Vec<Arc<ConsumerStats>>>>,
+}
 
 impl Readiness {
     pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Release);
+        self.started.store(ready, Ordering::Release);
     }
+
+    /// Started, not stopping, and every consumer has been given its assignment by
+    /// the group: possibly no partition at all, when other instances hold them all
+    /// (that instance is a ready standby, docs/operations.md).
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.started.load(Ordering::Acquire) && self.consumers().iter().all(|c| c.joined.load(Ordering::Acquire))
+    }
+
+    fn watch(&self, consumer: Arc<ConsumerStats>) {
+        self.consumers.lock().unwrap_or_else(|p| p.into_inner()).push(consumer);
+    }
+
+    fn consumers(&self) -> Vec<Arc<ConsumerStats>> {
+        self.consumers.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -93,6 +116,8 @@ pub struct Base {
     pub outbox: OutboxWriter,
     pub relay_stats: Arc<RelayStats>,
     pub readiness: Readiness,
+    /// What `/metrics` reads from this service at each scrape.
+    pub scrape: scrape::Scrape,
     pub shutdown: CancellationToken,
     /// Cancelled first when the service stops, before the HTTP server drains: a
     /// response that would otherwise never end (an event stream) ends with it.
@@ -129,6 +154,7 @@ impl Base {
             &outbox,
         )?;
         let relay_stats = relay.stats();
+        let scrape = scrape::Scrape::new(database.pool.clone(), relay_stats.clone());
         let relay_shutdown = CancellationToken::new();
         let relay = (relay_shutdown.clone(), tokio::spawn(relay.run(relay_shutdown)));
         Ok(Self {
@@ -137,6 +163,7 @@ impl Base {
             outbox,
             relay_stats,
             readiness: Readiness::default(),
+            scrape,
             shutdown,
             stopping: CancellationToken::new(),
             tasks: Vec::new(),
@@ -202,18 +229,20 @@ async fn futures_join(tasks: Vec<JoinHandle<()>>) {
     }
 }
 
-/// Binds the HTTP listener (port 0 picks one) with the health routes and the
-/// service's own `routes`.
+/// Binds the HTTP listener (port 0 picks one) with the service's `routes`; every
+/// request gets a span (a child of its `traceparent`) and is timed.
 pub fn serve<F>(http: &HttpConfig, routes: F) -> Result<(Server, u16), Error>
 where
     F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
 {
-    let server = HttpServer::new(move || ActixApp::new().configure(routes.clone()))
-        .workers(2)
-        .disable_signals()
-        .shutdown_timeout(http.shutdown_grace_ms.div_ceil(1000))
-        .bind(http.addr)
-        .map_err(|source| Error::Bind { addr: http.addr, source })?;
+    let server = HttpServer::new(move || {
+        ActixApp::new().wrap(actix_web::middleware::from_fn(http::observe)).configure(routes.clone())
+    })
+    .workers(2)
+    .disable_signals()
+    .shutdown_timeout(http.shutdown_grace_ms.div_ceil(1000))
+    .bind(http.addr)
+    .map_err(|source| Error::Bind { addr: http.addr, source })?;
     let port = server.addrs().first().map(|a| a.port()).unwrap_or_default();
     Ok((server.run(), port))
 }
@@ -284,8 +313,10 @@ impl ServiceApp {
         .await?;
         let routes = routes(&base);
         let health = health_routes(name, base.readiness.clone(), Some(base.database.pool.clone()));
+        let metrics = scrape::metrics_route(base.scrape.clone());
         let (server, port) = serve(&config.http, move |cfg: &mut web::ServiceConfig| {
             health(cfg);
+            metrics(cfg);
             routes(cfg);
         })?;
         info!(service = name, port, "listening");
@@ -312,9 +343,10 @@ impl ServiceApp {
         handler: H,
     ) -> Result<(), Error> {
         let prefix = &self.kafka.topic_prefix;
+        let group = format!("{prefix}{}.{purpose}", self.base.name);
         let consumer = fenceline_bus::FencedConsumer::spawn(
             fenceline_bus::ConsumerSpec {
-                group: format!("{prefix}{}.{purpose}", self.base.name),
+                group: group.clone(),
                 topics: topics.iter().map(|topic| fenceline_bus::topic_name(prefix, topic)).collect(),
                 // For operators only (fencing is by epoch): which host and process.
                 instance: format!(
@@ -332,6 +364,8 @@ impl ServiceApp {
             handler,
             self.base.shutdown.child_token(),
         )?;
+        self.base.readiness.watch(consumer.stats());
+        self.base.scrape.watch(group, consumer.stats());
         self.base.spawn(consumer.join());
         Ok(())
     }

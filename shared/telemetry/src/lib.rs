@@ -1,5 +1,10 @@
 //! Telemetry shared by every service: JSON logs, W3C trace context carried across
-//! Kafka in the `traceparent` header, and the names of span fields as constants.
+//! Kafka in the `traceparent` header, traces exported over OTLP/HTTP when the
+//! standard `OTEL_EXPORTER_OTLP_*` variables ask for it, the Prometheus metrics
+//! ([`metrics`]), and the names of span fields as constants.
+
+pub mod metrics;
+mod otlp;
 
 use std::collections::HashMap;
 
@@ -25,6 +30,8 @@ pub mod fields {
     pub const EVENT_ID: &str = "event_id";
     pub const EVENT_TYPE: &str = "event_type";
     pub const SHARD: &str = "shard";
+    /// The W3C trace id of the span a line was written in, on every line about a task.
+    pub const TRACE_ID: &str = "trace_id";
 }
 
 /// Keeps the tracer provider alive; dropping it flushes what is buffered.
@@ -42,12 +49,23 @@ impl Drop for TelemetryGuard {
 
 /// Installs the global subscriber: JSON lines on stderr, filtered by `RUST_LOG`
 /// (default `info`), each line carrying the fields of its enclosing spans, so a line
-/// about a task names its `task_id` and `attempt`. Spans get OpenTelemetry ids so
-/// that the trace can continue on the other side of a Kafka topic.
+/// about a task names its `task_id`, `attempt` and `trace_id`. Spans get
+/// OpenTelemetry ids so that the trace can continue on the other side of a Kafka
+/// topic; with `OTEL_EXPORTER_OTLP_ENDPOINT` (or `_TRACES_ENDPOINT`) set they are
+/// exported in batches over OTLP/HTTP, otherwise nothing leaves the process.
 ///
 /// Calling it twice (as tests do) keeps the first subscriber.
 pub fn init(service: &'static str) -> TelemetryGuard {
-    let provider = SdkTracerProvider::builder().build();
+    let mut builder = SdkTracerProvider::builder().with_resource(otlp::resource(service));
+    let (exporter, problem) = match otlp::exporter() {
+        Ok(exporter) => (exporter, None),
+        Err(problem) => (None, Some(problem)),
+    };
+    let exporting = exporter.is_some();
+    if let Some(exporter) = exporter {
+        builder = builder.with_batch_exporter(exporter);
+    }
+    let provider = builder.build();
     let tracer = provider.tracer(service);
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = tracing_subscriber::fmt::layer()
@@ -62,7 +80,10 @@ pub fn init(service: &'static str) -> TelemetryGuard {
         .with(json)
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init();
-    tracing::info!(service, "telemetry initialised");
+    match problem {
+        Some(e) => tracing::warn!(service, error = %e, "traces are not exported"),
+        None => tracing::info!(service, exporting_traces = exporting, "telemetry initialised"),
+    }
     TelemetryGuard { provider }
 }
 
@@ -83,6 +104,24 @@ pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
     let carrier = HashMap::from([("traceparent".to_owned(), traceparent.to_owned())]);
     let context = TraceContextPropagator::new().extract(&carrier);
     let _ = span.set_parent(context);
+    record_trace_id(span);
+}
+
+/// Writes the span's trace id into its `trace_id` field (when it declares one),
+/// so that every log line written inside it names the trace.
+pub fn record_trace_id(span: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt as _;
+    let trace_id = span.context().span().span_context().trace_id();
+    if trace_id != opentelemetry::trace::TraceId::INVALID {
+        span.record(fields::TRACE_ID, tracing::field::display(trace_id));
+    }
+}
+
+/// The trace id of a `traceparent` header, if it is well formed.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let mut parts = traceparent.split('-');
+    let (_version, trace_id) = (parts.next()?, parts.next()?);
+    (trace_id.len() == 32 && trace_id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(trace_id)
 }
 
 #[cfg(test)]

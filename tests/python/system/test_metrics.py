@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 SERVICES = json.loads(os.environ["FENCELINE_METRICS_SERVICES"])
 TASKS = int(os.environ["FENCELINE_METRICS_TASKS"])

@@ -291,8 +291,9 @@ pub(crate) const STATISTICS_INTERVAL_MS: &str = "1000";
 impl ClientContext for FencedContext {
     /// Lag per held partition: the log's end as the client last heard it (the last
     /// stable offset, which a `read_committed` consumer reads up to) minus the next
-    /// offset the database has applied (or, before any commit, the client's next
-    /// fetch). Runs inside `poll`, about once a second; asks the broker nothing.
+    /// offset the database has applied; for a partition this group never applied
+    /// anything from, the log's start (it is read from the beginning). Runs inside
+    /// `poll`, about once a second; asks the broker nothing.
     fn stats(&self, statistics: rdkafka::Statistics) {
         let held: Vec<(String, i32)> = lock(&self.owned).keys().cloned().collect();
         let mut next_offsets = lock(&self.stats.next_offsets);
@@ -301,10 +302,10 @@ impl ClientContext for FencedContext {
         for (topic, partition) in held {
             let Some(p) = statistics.topics.get(&topic).and_then(|t| t.partitions.get(&partition)) else { continue };
             let end = if p.ls_offset >= 0 { p.ls_offset } else { p.hi_offset };
-            let next = next_offsets
-                .get(&(topic.clone(), partition))
-                .copied()
-                .or((p.next_offset >= 0).then_some(p.next_offset));
+            // Never the client's fetch position: records fetched but not applied
+            // are lag too.
+            let next =
+                next_offsets.get(&(topic.clone(), partition)).copied().or((p.lo_offset >= 0).then_some(p.lo_offset));
             if let Some(next) = next
                 && end >= 0
             {
@@ -935,6 +936,7 @@ impl<H: Handler> Processor<H> {
                 offset = inbound.offset,
                 event_type = inbound.envelope.event.event_type(),
                 task_id = tracing::field::Empty,
+                trace_id = tracing::field::Empty,
             );
             if let Some(task_id) = inbound.envelope.event.task_id() {
                 span.record("task_id", tracing::field::display(task_id));
@@ -946,10 +948,12 @@ impl<H: Handler> Processor<H> {
             }
             // A savepoint, so that a handler refusing the event leaves nothing behind.
             let mut savepoint = Connection::begin(&mut **tx).await?;
-            match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span).await {
+            match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span.clone()).await {
                 Ok(()) => {
                     savepoint.commit().await?;
                     self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                    // With the span's task and trace: at debug, a line per event.
+                    span.in_scope(|| debug!("event handled; it commits with its batch"));
                 }
                 Err(HandleError::Poison(reason)) => {
                     savepoint.rollback().await?;

@@ -123,6 +123,7 @@ impl Workers {
                 }
                 Err(Stop::Fenced) if tries > 0 && self.already_recorded(lease, &transition).await => {
                     lease.phase = transition.phase;
+                    count_ends(events);
                     return Ok(Recorded { cancel_requested: false });
                 }
                 Err(Stop::Bus(fenceline_bus::Error::Database(e))) if lease.holds() && !lease.fenced() => {

@@ -414,6 +414,7 @@ impl Workers {
             finished_at: crate::clock::now(),
         });
         self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[event]).await?;
+        info!(task_id = %lease.task_id, "attempt succeeded");
         Ok(())
     }
 

@@ -21,7 +21,7 @@ use fenceline_events::Timestamp;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument as _, debug, warn};
+use tracing::{Instrument as _, debug, info, warn};
 
 use crate::tasks::{self, Context};
 use crate::{SchedulerSettings, health};
@@ -206,6 +206,11 @@ impl Dispatcher {
         for late in &round.lateness {
             metrics.timer_lateness.observe(*late);
         }
+        for granted in &round.grants {
+            granted.span.in_scope(|| {
+                info!(attempt = granted.attempt, grant_id = %granted.grant_id, provider = %granted.provider, "attempt granted");
+            });
+        }
         if round.granted > 0 {
             // Decided and committed, not yet published: the relay must carry it on.
             let _ = fenceline_bus::faults::drops("scheduler.after_grant_commit");
@@ -338,7 +343,7 @@ impl Dispatcher {
             return Ok(Tried::RateLimited(now + wait));
         }
         let lifecycle = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
-            .instrument(span)
+            .instrument(span.clone())
             .await
             .map_err(bus_error)?;
         if lifecycle.live_grant.is_none() || lifecycle.live_grant == row.lifecycle.live_grant {
@@ -352,9 +357,26 @@ impl Dispatcher {
         }
         round.granted += 1;
         round.lateness.extend(lateness);
+        if let Some(grant_id) = lifecycle.live_grant {
+            round.grants.push(Granted {
+                span,
+                attempt: lifecycle.attempt,
+                grant_id,
+                provider: provider_name.to_owned(),
+            });
+        }
         round.tenants.push(row.tenant);
         Ok(Tried::Granted)
     }
+}
+
+/// An attempt the round granted.
+#[derive(Debug)]
+struct Granted {
+    span: tracing::Span,
+    attempt: u32,
+    grant_id: GrantId,
+    provider: String,
 }
 
 /// What one round has done so far.
@@ -364,6 +386,8 @@ struct Round {
     /// Per task acted on, how long after its due instant, in seconds (observed
     /// only once the round committed).
     lateness: Vec<f64>,
+    /// The attempts granted, logged in their task's span once the round committed.
+    grants: Vec<Granted>,
     /// Tenants granted, whose turn moves to the end when the round commits.
     tenants: Vec<String>,
     /// The providers whose advisory lock this round holds, and their limits.

@@ -78,6 +78,23 @@ async fn exchange_with(
     headers: Vec<(String, String)>,
     body: Option<Value>,
 ) -> Result<(u16, Value), String> {
+    let (status, text) = exchange_text(method, url, headers, body).await?;
+    Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
+}
+
+/// A `GET` with an optional bearer token: (status, the body as text), for pages
+/// that are not JSON (`/metrics`).
+pub async fn http_text(url: String, token: Option<&str>) -> Result<(u16, String), String> {
+    let headers = token.map(|t| ("Authorization".to_owned(), format!("Bearer {t}"))).into_iter().collect();
+    exchange_text("GET", url, headers, None).await
+}
+
+async fn exchange_text(
+    method: &str,
+    url: String,
+    headers: Vec<(String, String)>,
+    body: Option<Value>,
+) -> Result<(u16, String), String> {
     let method = method.to_owned();
     tokio::task::spawn_blocking(move || {
         let agent = ureq::Agent::config_builder()
@@ -97,8 +114,7 @@ async fn exchange_with(
         };
         let mut response = response.map_err(|e| e.to_string())?;
         let status = response.status().as_u16();
-        let text = response.body_mut().read_to_string().unwrap_or_default();
-        Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
+        Ok((status, response.body_mut().read_to_string().unwrap_or_default()))
     })
     .await
     .map_err(|e| e.to_string())?

@@ -3,12 +3,12 @@
 //! password and the audit token — through the paths that succeed and the ones that
 //! fail (a wrong token, a bad signature, a provider refusing the credential, a
 //! database that cannot be reached, `--help`), and everything the services printed
-//! or answered is searched for them.
+//! or answered, every service's `/metrics` page included, is searched for them.
 
 use std::time::Duration;
 
 use fenceline_tests::process::{Proc, free_port};
-use fenceline_tests::system::{Caps, System, api_agent, host_binary, http, http_as, submit_over_api};
+use fenceline_tests::system::{Caps, System, api_agent, host_binary, http, http_as, http_text, submit_over_api};
 use serde_json::json;
 
 const LONG: Duration = Duration::from_secs(90);
@@ -135,17 +135,24 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
         seen.push_str(&format!("webhook -> {answer}\n"));
     }
 
-    // Every service's health, readiness and metrics; the audit with and without its token.
+    // Every service's health and readiness, and its whole metrics page (text, not
+    // JSON); the audit with and without its token.
     for service in ["intake", "scheduler", "executor", "reconciler"] {
         let base = system.url_of(service);
-        for path in ["/healthz", "/readyz", "/metrics"] {
+        for path in ["/healthz", "/readyz"] {
             seen.push_str(&answered("GET", format!("{base}{path}"), None).await);
         }
+        let (status, page) = http_text(format!("{base}/metrics"), None).await.expect("metrics");
+        assert_eq!(status, 200, "{service}'s /metrics: {page}");
+        assert!(
+            page.contains("fenceline_http_request_duration_seconds_count{") && page.ends_with("# EOF\n"),
+            "{service} served a whole metrics page: {page}"
+        );
+        seen.push_str(&format!("GET {base}/metrics -> {status}\n{page}\n"));
     }
     let reconciler = system.url_of("reconciler");
     seen.push_str(&answered("GET", format!("{reconciler}/v1/audit"), Some("wrong")).await);
     seen.push_str(&answered("GET", format!("{reconciler}/v1/audit"), Some(AUDIT_TOKEN)).await);
-    seen.push_str(&answered("GET", format!("{reconciler}/metrics"), Some(AUDIT_TOKEN)).await);
 
     // Failures at start: a database that cannot be reached, and `--help` with every
     // secret set.

@@ -159,8 +159,8 @@ def clap_default(variable):
 
 @functools.cache
 def served_paths():
-    """The paths every service answers (shared/runtime's health routes)."""
-    text = (ROOT / "shared" / "runtime" / "src" / "lib.rs").read_text()
+    """The paths every service answers (shared/runtime's health and metrics routes)."""
+    text = "".join(path.read_text() for path in rust_sources(ROOT / "shared" / "runtime"))
     return frozenset(re.findall(r'\.route\("(/[^"]*)"', text))
 
 
@@ -513,6 +513,11 @@ def test_ports_and_probes_are_the_ones_the_services_serve():
             get = container[probe]["httpGet"]
             assert get["path"] == path and path in served_paths(), f"{where}: {probe} on {get['path']}"
             assert get["port"] in ports or get["port"] in ports.values(), f"{where}: {probe} port {get['port']}"
+        # Prometheus is pointed at the metrics page on the service's port.
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", f"{where}: not scraped"
+        assert annotations.get("prometheus.io/path") in served_paths() - {"/healthz", "/readyz"}, where
+        assert int(annotations.get("prometheus.io/port", 0)) in ports.values(), f"{where}: metrics port"
         # The start-up probe outlasts the wait for the brokers.
         startup = container["startupProbe"]
         connect_ms = int(env.get("FENCELINE_KAFKA_CONNECT_TIMEOUT_MS", clap_default("FENCELINE_KAFKA_CONNECT_TIMEOUT_MS")))

@@ -204,9 +204,10 @@ impl HttpProvider {
         let this = self.clone();
         let url = format!("{}/v1/operations/{request_id}", self.base_url);
         let (span, traceparent) = self.exchange_span("poll");
-        let answer = blocking(move || this.answer_of(with_trace(this.with_auth(this.agent.get(url)), traceparent).call()))
-            .instrument(span.clone())
-            .await;
+        let answer =
+            blocking(move || this.answer_of(with_trace(this.with_auth(this.agent.get(url)), traceparent).call()))
+                .instrument(span.clone())
+                .await;
         self.observed(&span, "poll", &answer);
         answer
     }

@@ -23,11 +23,19 @@ use tracing::{debug, error, info, warn};
 
 use crate::{Error, fault};
 
-/// The relay's session advisory lock on a shard, scoped to the service's schema:
-/// services share a database, and one service's relays must not skip another's
-/// shards. Do not change: relays of different versions must contend for the same
-/// locks.
-const SHARD_LOCK: &str = "hashtextextended(current_schema() || ':outbox-shard:' || $1::text, 0)";
+/// Tries, in one statement, the relay's session advisory locks on the shards in
+/// `$1` (in that order); returns those taken. A shard's lock is
+/// `hashtextextended(current_schema() || ':outbox-shard:' || shard::text, 0)`, scoped
+/// to the service's schema: services share a database, and one service's relays
+/// must not skip another's shards. Do not change the expression (here and in
+/// [`SHARD_UNLOCK_ALL`]): relays of different versions must contend for the same locks.
+const SHARD_TRY_LOCK_ALL: &str = "SELECT s FROM unnest($1::int[]) WITH ORDINALITY AS w(s, n) \
+     WHERE pg_try_advisory_lock(hashtextextended(current_schema() || ':outbox-shard:' || s::text, 0)) ORDER BY n";
+/// Releases the locks of the shards in `$1` in one statement.
+const SHARD_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock(hashtextextended(current_schema() || ':outbox-shard:' \
+     || s::text, 0)) FROM unnest($1::int[]) AS s";
+/// Marks a batch of rows, by id, published.
+const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = ANY($1)";
 /// The per-key transaction lock writers take, so that rows of one key get ids in
 /// the order their transactions commit; scoped to the schema like the shard locks,
 /// so that a batch of one service never waits on another's writers.
@@ -305,50 +313,50 @@ impl Relay {
         info!(relay = %self.name, "outbox relay stopped");
     }
 
-    /// Visits every shard once; returns how many rows were published.
+    /// Visits every shard once; returns how many rows were published. A round costs
+    /// a fixed number of statements whatever the number of shards: one finds the
+    /// shards with rows waiting, one locks those it can, one reads a batch of all
+    /// of them, one marks it, one unlocks (an idle round is only the first).
     async fn round(&self, lock_conn: &mut PgConnection, start: usize) -> Result<usize, Error> {
-        let shards = usize::from(self.config.shards.max(1));
-        let mut published = 0;
-        for i in 0..shards {
-            let shard = ((start + i) % shards) as i32;
-            // Only a shard with rows waiting is locked: an idle round holds no lock, so
-            // a relay paused between rounds (a long GC, a stopped VM) blocks no shard.
-            let waiting: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM outbox WHERE shard = $1 AND published_at IS NULL AND refused_at IS NULL)",
-            )
-            .bind(shard as i16)
-            .fetch_one(&self.pool)
-            .await?;
-            if !waiting {
-                continue;
-            }
-            let locked: bool = sqlx::query_scalar(&format!("SELECT pg_try_advisory_lock({SHARD_LOCK})"))
-                .bind(shard)
-                .fetch_one(&mut *lock_conn)
-                .await?;
-            if !locked {
-                continue;
-            }
-            let result = self.drain_shard(shard).await;
-            sqlx::query(&format!("SELECT pg_advisory_unlock({SHARD_LOCK})"))
-                .bind(shard)
-                .execute(&mut *lock_conn)
-                .await?;
-            published += result?;
+        let shards = i32::from(self.config.shards.max(1));
+        // Only a shard with rows waiting is locked: an idle round holds no lock, so
+        // a relay paused between rounds (a long GC, a stopped VM) blocks no shard.
+        let waiting: Vec<i32> = sqlx::query_scalar(
+            "SELECT s FROM generate_series(0, $1 - 1) s WHERE EXISTS \
+             (SELECT 1 FROM outbox WHERE shard = s AND published_at IS NULL AND refused_at IS NULL)",
+        )
+        .bind(shards)
+        .fetch_all(&self.pool)
+        .await?;
+        if waiting.is_empty() {
+            return Ok(0);
         }
-        Ok(published)
+        // From this instance's start shard on, so that instances rarely contend.
+        let start = start as i32 % shards;
+        let mut waiting = waiting;
+        waiting.sort_by_key(|&s| (s - start).rem_euclid(shards));
+        let locked: Vec<i32> = sqlx::query_scalar(SHARD_TRY_LOCK_ALL).bind(&waiting).fetch_all(&mut *lock_conn).await?;
+        if locked.is_empty() {
+            return Ok(0);
+        }
+        let result = self.drain_shards(&locked).await;
+        sqlx::query(SHARD_UNLOCK_ALL).bind(&locked).execute(&mut *lock_conn).await?;
+        result
     }
 
-    /// Publishes the shard's unpublished rows in id order, batch after batch.
-    async fn drain_shard(&self, shard: i32) -> Result<usize, Error> {
+    /// Publishes the unpublished rows of `shards` (locked by this relay) in id
+    /// order, batch after batch; rows of one key share a shard, so id order is
+    /// their written order.
+    async fn drain_shards(&self, shards: &[i32]) -> Result<usize, Error> {
+        let shards: Vec<i16> = shards.iter().map(|&s| s as i16).collect();
         let mut published = 0;
         loop {
             let rows: Vec<Row> = sqlx::query_as(
                 "SELECT id, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, \
                  produced_at_us, traceparent FROM outbox \
-                 WHERE shard = $1 AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $2",
+                 WHERE shard = ANY($1) AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $2",
             )
-            .bind(shard as i16)
+            .bind(&shards)
             .bind(i64::from(self.config.batch_max))
             .fetch_all(&self.pool)
             .await?;
@@ -374,25 +382,23 @@ impl Relay {
                     _ => None,
                 })
                 .collect();
-            if !ids.is_empty() || !refused.is_empty() {
+            if !refused.is_empty() {
                 let mut tx = self.pool.begin().await?;
-                sqlx::query("UPDATE outbox SET published_at = now() WHERE id = ANY($1)")
-                    .bind(&ids)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(MARK_PUBLISHED).bind(&ids).execute(&mut *tx).await?;
                 for (row, reason) in &refused {
                     self.refuse(&mut tx, row, reason).await?;
                 }
                 tx.commit().await?;
-                if !refused.is_empty() {
-                    self.writer.committed();
-                }
+                self.writer.committed();
+            } else if !ids.is_empty() {
+                // One statement, one commit, for the whole batch.
+                sqlx::query(MARK_PUBLISHED).bind(&ids).execute(&self.pool).await?;
             }
             let confirmed = ids.len();
             published += confirmed;
             self.stats.published.fetch_add(confirmed as u64, Ordering::Relaxed);
             self.stats.refused.fetch_add(refused.len() as u64, Ordering::Relaxed);
-            debug!(shard, confirmed, refused = refused.len(), "outbox rows published");
+            debug!(?shards, confirmed, refused = refused.len(), "outbox rows published");
             if handled < rows.len() {
                 self.stats.failed_deliveries.fetch_add((rows.len() - handled) as u64, Ordering::Relaxed);
                 return Err(Error::Kafka(rdkafka::error::KafkaError::MessageProduction(

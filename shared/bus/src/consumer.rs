@@ -135,6 +135,11 @@ pub trait Handler: Send + Sync + 'static {
     fn holds_newer_schemas(&self) -> bool {
         true
     }
+
+    /// Called after each batch this consumer applied has committed, for what must
+    /// wait until the batch's rows are visible to others (waking workers that read
+    /// them). The default does nothing.
+    fn committed(&self) {}
 }
 
 /// What to do with a record that does not decode: hold it (retry later, with an
@@ -664,6 +669,35 @@ const DEDUP_PURGE_EVERY: Duration = Duration::from_secs(600);
 struct Applied {
     /// Per partition, the last offset now covered by the database.
     progress: Vec<(String, i32, i64)>,
+    /// Events the handler applied, counted once the batch committed.
+    handled: u64,
+}
+
+/// Why a batch was not applied.
+enum BatchFailure {
+    Failed(HandleError),
+    /// Without savepoints, a handler refused an event: the batch was rolled back
+    /// whole, and is applied again with a savepoint per event so that only the
+    /// refused one is left out.
+    RefusedWithoutSavepoints,
+}
+
+impl From<HandleError> for BatchFailure {
+    fn from(e: HandleError) -> Self {
+        BatchFailure::Failed(e)
+    }
+}
+
+impl From<sqlx::Error> for BatchFailure {
+    fn from(e: sqlx::Error) -> Self {
+        BatchFailure::Failed(e.into())
+    }
+}
+
+impl From<crate::faults::Injected> for BatchFailure {
+    fn from(injected: crate::faults::Injected) -> Self {
+        BatchFailure::Failed(injected.into())
+    }
 }
 
 impl<H: Handler> Processor<H> {
@@ -729,6 +763,9 @@ impl<H: Handler> Processor<H> {
         let mut backoff = Duration::from_millis(50);
         let (mut one_at_a_time, mut failures) = (false, 0u32);
         let mut condemned: Option<Condemned> = None;
+        // Savepoints only after a handler refused an event of this batch: most
+        // batches refuse nothing, and a savepoint costs two round trips per event.
+        let mut savepoints = false;
         loop {
             let owned = lock(&self.owned).clone();
             // Only records fetched under the holding that is current now.
@@ -745,9 +782,11 @@ impl<H: Handler> Processor<H> {
             }
             let take = if one_at_a_time { 1 } else { queue.len() };
             let mine: Vec<&OwnedMessage> = queue.iter().take(take).map(|f| &f.message).collect();
-            match self.apply_batch(&mine, &owned, condemned.as_ref()).await {
+            match self.apply_batch(&mine, &owned, condemned.as_ref(), savepoints).await {
                 Ok(applied) => {
                     self.outbox.committed();
+                    self.handler.committed();
+                    self.stats.applied.fetch_add(applied.handled, Ordering::Relaxed);
                     {
                         let mut next_offsets = lock(&self.stats.next_offsets);
                         for (topic, partition, last) in &applied.progress {
@@ -761,9 +800,16 @@ impl<H: Handler> Processor<H> {
                     }
                     self.stats.batches.fetch_add(1, Ordering::Relaxed);
                     queue.drain(..take);
-                    (failures, condemned, backoff) = (0, None, Duration::from_millis(50));
+                    (failures, condemned, backoff, savepoints) = (0, None, Duration::from_millis(50), false);
                 }
-                Err(e) => {
+                Err(BatchFailure::RefusedWithoutSavepoints) => {
+                    debug!(
+                        records = mine.len(),
+                        "a handler refused an event; applying the batch again with savepoints"
+                    );
+                    savepoints = true;
+                }
+                Err(BatchFailure::Failed(e)) => {
                     warn!(error = %e, records = mine.len(), "batch failed; it will be tried again");
                     if shutdown.is_cancelled() {
                         return;
@@ -796,7 +842,8 @@ impl<H: Handler> Processor<H> {
         batch: &[&OwnedMessage],
         owned: &HashMap<(String, i32), i64>,
         condemned: Option<&Condemned>,
-    ) -> Result<Applied, HandleError> {
+        savepoints: bool,
+    ) -> Result<Applied, BatchFailure> {
         // Per partition, in delivery order.
         let mut by_partition: BTreeMap<(String, i32), Vec<&OwnedMessage>> = BTreeMap::new();
         for message in batch {
@@ -845,7 +892,8 @@ impl<H: Handler> Processor<H> {
                         info!(topic, partition, redelivered, "records redelivered after a restart skipped by offset");
                     }
                     let to_apply: Vec<&OwnedMessage> = apply.iter().map(|&i| messages[i]).collect();
-                    self.apply_records(&mut tx, &topic, partition, &to_apply, condemned).await?;
+                    applied.handled +=
+                        self.apply_records(&mut tx, &topic, partition, &to_apply, condemned, savepoints).await?;
                     if !to_apply.is_empty() {
                         sqlx::query(
                             "UPDATE consumer_partitions SET next_offset = $5, updated_at = now() \
@@ -870,6 +918,10 @@ impl<H: Handler> Processor<H> {
     }
 
     /// Decodes, dedupes and hands records to the handler; dead-letters the rest.
+    /// Returns how many events the handler applied. With `savepoints`, each event
+    /// is handled in a savepoint of its own, and one the handler refuses is rolled
+    /// back alone and dead-lettered; without, a refusal fails the whole batch
+    /// ([`BatchFailure::RefusedWithoutSavepoints`]) so that it is applied again with them.
     async fn apply_records(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -877,7 +929,8 @@ impl<H: Handler> Processor<H> {
         partition: i32,
         messages: &[&OwnedMessage],
         condemned: Option<&Condemned>,
-    ) -> Result<(), HandleError> {
+        savepoints: bool,
+    ) -> Result<u64, BatchFailure> {
         let mut decoded = Vec::with_capacity(messages.len());
         for message in messages {
             let headers = message
@@ -896,7 +949,7 @@ impl<H: Handler> Processor<H> {
                             error = %e,
                             "holding a record this build cannot read yet; the partition waits for an upgrade"
                         );
-                        return Err(held);
+                        return Err(held.into());
                     }
                 },
             }
@@ -914,6 +967,7 @@ impl<H: Handler> Processor<H> {
         .into_iter()
         .collect();
         let mut seen = HashSet::with_capacity(fresh.len());
+        let mut handled = 0;
         for (message, envelope) in decoded {
             let id = envelope.headers.event_id.as_uuid();
             if !fresh.contains(&id) || !seen.insert(id) {
@@ -946,12 +1000,25 @@ impl<H: Handler> Processor<H> {
                 self.dead_letter(tx, message, &condemned.reason).await?;
                 continue;
             }
+            if !savepoints {
+                match self.handler.handle(tx, &self.outbox, &inbound).instrument(span.clone()).await {
+                    Ok(()) => {
+                        handled += 1;
+                        span.in_scope(|| debug!("event handled; it commits with its batch"));
+                    }
+                    Err(e) if matches!(e, HandleError::Poison(_)) || e.refusal_of_the_record().is_some() => {
+                        return Err(BatchFailure::RefusedWithoutSavepoints);
+                    }
+                    Err(other) => return Err(other.into()),
+                }
+                continue;
+            }
             // A savepoint, so that a handler refusing the event leaves nothing behind.
             let mut savepoint = Connection::begin(&mut **tx).await?;
             match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span.clone()).await {
                 Ok(()) => {
                     savepoint.commit().await?;
-                    self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                    handled += 1;
                     // With the span's task and trace: at debug, a line per event.
                     span.in_scope(|| debug!("event handled; it commits with its batch"));
                 }
@@ -964,11 +1031,11 @@ impl<H: Handler> Processor<H> {
                         savepoint.rollback().await?;
                         self.dead_letter(tx, message, &reason).await?;
                     }
-                    None => return Err(other),
+                    None => return Err(other.into()),
                 },
             }
         }
-        Ok(())
+        Ok(handled)
     }
 
     async fn dead_letter(

@@ -96,9 +96,10 @@ async fn a_grant_claimed_after_its_tasks_deadline_makes_no_call_and_fails_saying
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_lease_would_not_hold_while_its_request_leaves_does_not_send() {
     let mut system = System::new(&[("img", Caps::default())]).await;
-    // Every renewal fails, and the worker is held up 1.1 s after its call intent:
-    // 0.9 s of its 2 s lease is left, less than the 1 s the request may take to
-    // leave (the connect bound of a 10 s call timeout) plus the margin.
+    // Every renewal fails (the call intent's write renewed the lease last), and the
+    // worker is held up 1.1 s after its call intent: 0.9 s of its 2 s lease is left,
+    // less than the 1 s the request may take to leave (the connect bound of a 10 s
+    // call timeout) plus the margin.
     system.spawn_all(Some("executor.renew_lease=return;executor.after_call_intent=sleep(1100)")).await;
     let task = system.submit("acme", "image.generate", json!({"prompt": "a short shoe"})).await;
 

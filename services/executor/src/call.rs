@@ -65,16 +65,13 @@ impl Workers {
             return Ok(None);
         };
         // Before the intent, cancellation and shutdown still cost nothing.
-        let started = self.record(lease, Transition::to(Phase::StepStarted).step(&step.name), &[]).await?;
-        let seq: i32 = sqlx::query_scalar(
-            "INSERT INTO call_sequences (task_id, generation, step) VALUES ($1, $2, $3) \
-             ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq",
-        )
-        .bind(lease.task_id.as_uuid())
-        .bind(lease.generation)
-        .bind(&step.name)
-        .fetch_one(&self.pool)
-        .await?;
+        let start = Transition::to(Phase::StepStarted).step(&step.name).sequence_of(&step.name);
+        let started = self.record(lease, start, &[]).await?;
+        let seq = match started.seq {
+            Some(seq) => seq,
+            // A retry found the write committed before; the seq is read on its own.
+            None => crate::record::sequence(&mut *self.pool.acquire().await?, lease, &step.name).await?,
+        };
         if started.cancel_requested || shutdown.is_cancelled() {
             let reason =
                 if started.cancel_requested { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
@@ -107,7 +104,8 @@ impl Workers {
             provider: provider_name.to_owned(),
             recorded_at: crate::clock::now(),
         });
-        self.record(lease, Transition::to(Phase::CallIntent).call(&key, None), &[intent]).await?;
+        let intended =
+            self.record(lease, Transition::to(Phase::CallIntent).call(&key, None).renewing(), &[intent]).await?;
         fault!("executor.after_call_intent");
         // Nothing has left yet. If the call may not start, say so with a fenced
         // write, so that no one has to wonder whether a call was made.
@@ -116,7 +114,10 @@ impl Workers {
             return Ok(None);
         }
         let window = self.send_window_of(provider_name);
-        if !self.may_send(lease, window).await? {
+        // The intent's write renewed the lease by the database's clock; only a write
+        // found committed on a retry (which renewed nothing here) renews again.
+        let holds = if intended.renewed { lease.holds_for(window) } else { self.may_send(lease, window).await? };
+        if !holds {
             let message = format!(
                 "the lease would not surely hold until the request had left ({} ms and the {} ms margin); not sent",
                 window.as_millis(),

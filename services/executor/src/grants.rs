@@ -3,6 +3,7 @@
 //! cancellation. The table carries the truth; workers claim from it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_events::Event;
@@ -14,6 +15,17 @@ use tokio::sync::Notify;
 pub struct GrantRecorder {
     /// Wakes this process's idle workers after a batch.
     pub wake: Arc<Notify>,
+    /// Grants recorded by the batch in progress: as many idle workers are woken
+    /// once it commits (a worker woken before the commit finds nothing to claim).
+    pub recorded: Arc<AtomicUsize>,
+    /// Workers of this process: more are never woken.
+    pub workers: usize,
+}
+
+impl GrantRecorder {
+    pub fn new(wake: Arc<Notify>, workers: usize) -> Self {
+        Self { wake, recorded: Arc::new(AtomicUsize::new(0)), workers }
+    }
 }
 
 impl Handler for GrantRecorder {
@@ -47,8 +59,9 @@ impl Handler for GrantRecorder {
                 .rows_affected();
                 if inserted == 0 {
                     tracing::info!(grant_id = %g.grant_id, "grant already recorded; a re-issue runs nothing twice");
+                } else {
+                    self.recorded.fetch_add(1, Ordering::Relaxed);
                 }
-                self.wake.notify_waiters();
             }
             Event::CancelAttempt(c) => {
                 sqlx::query("UPDATE executions SET cancel_requested = true WHERE grant_id = $1")
@@ -61,5 +74,14 @@ impl Handler for GrantRecorder {
             }
         }
         Ok(())
+    }
+
+    /// One idle worker per grant the batch recorded (a rolled-back batch's count
+    /// only wakes a few workers for nothing).
+    fn committed(&self) {
+        let grants = self.recorded.swap(0, Ordering::Relaxed);
+        for _ in 0..grants.min(self.workers) {
+            self.wake.notify_one();
+        }
     }
 }

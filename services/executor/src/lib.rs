@@ -94,7 +94,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let mut app =
         ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
     let wake = Arc::new(tokio::sync::Notify::new());
-    app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder { wake: wake.clone() })?;
+    app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder::new(wake.clone(), settings.workers))?;
     let workers = worker::Workers {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),

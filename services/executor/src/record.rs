@@ -29,6 +29,13 @@ pub(crate) struct Transition<'a> {
     pub new_key: Option<NewKey<'a>>,
     /// A finished step's output, stored with the phase.
     pub checkpoint: Option<Checkpoint<'a>>,
+    /// The step whose call `seq` is read (made at 0 the first time) in the same
+    /// transaction, so that starting a step costs one commit.
+    pub sequence_of: Option<&'a str>,
+    /// Renew the lease in the same conditional write, by the database's clock, as
+    /// [`Workers::renew`] does: the renewal right before a request leaves rides on
+    /// the call intent's commit.
+    pub renew_lease: bool,
 }
 
 /// The execution statuses a worker writes.
@@ -70,7 +77,16 @@ pub(crate) struct Checkpoint<'a> {
 impl<'a> Transition<'a> {
     /// To `phase`, still running.
     pub fn to(phase: Phase) -> Self {
-        Transition { phase, status: Status::Running, step: None, call: None, new_key: None, checkpoint: None }
+        Transition {
+            phase,
+            status: Status::Running,
+            step: None,
+            call: None,
+            new_key: None,
+            checkpoint: None,
+            sequence_of: None,
+            renew_lease: false,
+        }
     }
 
     /// The attempt ends at the phase it reached, with `status`.
@@ -89,6 +105,16 @@ impl<'a> Transition<'a> {
     pub fn call(self, key: &'a str, request_id: Option<&'a str>) -> Self {
         Transition { call: Some((key, request_id)), ..self }
     }
+
+    /// Also reads the call `seq` of `step` ([`Recorded::seq`]).
+    pub fn sequence_of(self, step: &'a str) -> Self {
+        Transition { sequence_of: Some(step), ..self }
+    }
+
+    /// Also renews the lease ([`Recorded::renewed`]).
+    pub fn renewing(self) -> Self {
+        Transition { renew_lease: true, ..self }
+    }
 }
 
 /// What a fenced write read back.
@@ -96,6 +122,11 @@ impl<'a> Transition<'a> {
 pub(crate) struct Recorded {
     /// Whether a cancellation was requested by the time of the write.
     pub cancel_requested: bool,
+    /// The step's call `seq`, when the transition asked for it and this write (not
+    /// an earlier one found on a retry) committed it.
+    pub seq: Option<i32>,
+    /// Whether this write renewed the lease (the worker's lease is extended).
+    pub renewed: bool,
 }
 
 /// Waits between tries of a write that met a database error.
@@ -124,7 +155,7 @@ impl Workers {
                 Err(Stop::Fenced) if tries > 0 && self.already_recorded(lease, &transition).await => {
                     lease.phase = transition.phase;
                     count_ends(events);
-                    return Ok(Recorded { cancel_requested: false });
+                    return Ok(Recorded { cancel_requested: false, seq: None, renewed: false });
                 }
                 Err(Stop::Bus(fenceline_bus::Error::Database(e))) if lease.holds() && !lease.fenced() => {
                     let wait = WRITE_RETRY.delay(tries, None, 0.5 + jitter() / 2.0);
@@ -139,14 +170,20 @@ impl Workers {
     }
 
     async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
+        // Before the statement leaves: the lease it renews holds at least this long.
+        let sent = tokio::time::Instant::now();
         let mut tx = self.pool.begin().await?;
         let (key, request_id) = t.call.unzip();
-        let cancel_requested: Option<bool> = sqlx::query_scalar(
-            "UPDATE executions SET phase = $4, phase_at_us = (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
+        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
+        let written: Option<(bool, Option<i64>)> = sqlx::query_as(
+            "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us) \
+             UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
                  step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
-                 provider_request_id = COALESCE($8, provider_request_id) \
+                 provider_request_id = COALESCE($8, provider_request_id), \
+                 lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
+             FROM clock \
              WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
-             RETURNING cancel_requested",
+             RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END",
         )
         .bind(lease.grant_id.as_uuid())
         .bind(lease.token)
@@ -156,11 +193,17 @@ impl Workers {
         .bind(t.status.as_str())
         .bind(key)
         .bind(request_id.flatten())
+        .bind(t.renew_lease)
+        .bind(lease_us)
         .fetch_optional(&mut *tx)
         .await?;
         // Dropping the transaction rolls back: nothing below happens for a fenced worker.
-        let Some(cancel_requested) = cancel_requested else {
+        let Some((cancel_requested, granted_us)) = written else {
             return Err(Stop::Fenced);
+        };
+        let seq = match t.sequence_of {
+            Some(step) => Some(sequence(&mut tx, lease, step).await?),
+            None => None,
         };
         if let Some(new_key) = t.new_key {
             bump_seq(&mut tx, lease, new_key).await?;
@@ -184,7 +227,10 @@ impl Workers {
         }
         tx.commit().await?;
         self.outbox.committed();
-        Ok(Recorded { cancel_requested })
+        if let Some(us) = granted_us {
+            lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
+        }
+        Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
     }
 
     /// Whether the execution already shows `t` written under this worker's token.
@@ -255,6 +301,20 @@ pub(crate) fn released(lease: &Lease, reason: ReleaseReason) -> Event {
         reason,
         released_at: crate::clock::now(),
     })
+}
+
+/// The step's call `seq` (0 the first time): with the generation and the step it
+/// makes the operation key. Written in the caller's transaction.
+pub(crate) async fn sequence(tx: &mut PgConnection, lease: &Lease, step: &str) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar(
+        "INSERT INTO call_sequences (task_id, generation, step) VALUES ($1, $2, $3) \
+         ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq",
+    )
+    .bind(lease.task_id.as_uuid())
+    .bind(lease.generation)
+    .bind(step)
+    .fetch_one(&mut *tx)
+    .await
 }
 
 /// Moves the step's `seq` past the one the call used, inside the fenced write.

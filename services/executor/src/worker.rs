@@ -88,6 +88,9 @@ struct ClaimRow {
     traceparent: Option<String>,
 }
 
+/// The outputs of the steps of a generation already checkpointed, by step name.
+type Checkpoints = HashMap<String, serde_json::Value>;
+
 /// Taken off every lease this worker believes it holds: the hop from a check to
 /// the request's first byte (the blocking pool, a busy runtime) and any drift of
 /// this host's monotonic clock from the database's over one lease.
@@ -140,7 +143,7 @@ impl Lease {
     }
 
     /// A renewal sent at `sent` was granted `granted`; renewals may answer out of order.
-    fn extend(&self, sent: Instant, granted: Duration) {
+    pub(crate) fn extend(&self, sent: Instant, granted: Duration) {
         let mut until = self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
         *until = (*until).max(sent + granted);
     }
@@ -151,14 +154,25 @@ impl Lease {
     }
 }
 
+/// A claimed execution, ready to run.
+struct Claimed {
+    claim: ClaimRow,
+    /// When the claim's statement was sent (monotonic): the lease holds from then.
+    sent: Instant,
+    /// The steps already checkpointed, read in the claim's transaction.
+    done: Checkpoints,
+    /// The execution's span, a child of the grant's trace.
+    span: tracing::Span,
+}
+
 impl Workers {
     /// Runs one worker until `shutdown`: claim, run, repeat; sleep when idle.
     pub async fn run(self, index: usize, shutdown: CancellationToken) {
         let worker = format!("{}#{index}", self.name);
         while !shutdown.is_cancelled() {
             match self.claim(&worker).await {
-                Ok(Some((claim, sent, span))) => {
-                    if let Err(e) = self.execute(claim, sent, &shutdown).instrument(span).await {
+                Ok(Some(Claimed { claim, sent, done, span })) => {
+                    if let Err(e) = self.execute(claim, sent, done, &shutdown).instrument(span).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
                             Stop::LeaseLapsed => warn!(%worker, "{e}"),
@@ -185,8 +199,9 @@ impl Workers {
     /// Claims the oldest ready execution, or one whose lease expired, with a
     /// larger fencing token. A takeover after `call_intent` is reported lost here.
     /// Expiry is judged by the database's clock in the same statement; the instant
-    /// returned with the claim is when the statement was sent (monotonic).
-    async fn claim(&self, worker: &str) -> Result<Option<(ClaimRow, Instant, tracing::Span)>, Stop> {
+    /// returned with the claim is when the statement was sent (monotonic), and with
+    /// it the steps already checkpointed, read in the claim's transaction.
+    async fn claim(&self, worker: &str) -> Result<Option<Claimed>, Stop> {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
@@ -225,7 +240,7 @@ impl Workers {
         fenceline_telemetry::continue_trace(&span, claim.traceparent.as_deref());
         fenceline_telemetry::record_trace_id(&span);
         let claimed = self.claimed(tx, claim, worker).instrument(span.clone()).await?;
-        Ok(claimed.map(|claim| (claim, sent, span)))
+        Ok(claimed.map(|(claim, done)| Claimed { claim, sent, done, span }))
     }
 
     /// Writes what the claim found: the attempt lost (a takeover after the call
@@ -235,7 +250,7 @@ impl Workers {
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         claim: ClaimRow,
         worker: &str,
-    ) -> Result<Option<ClaimRow>, Stop> {
+    ) -> Result<Option<(ClaimRow, Checkpoints)>, Stop> {
         let phase = read_phase(&claim.phase);
         let task_id = TaskId::from_uuid(claim.task_id);
         let grant_id = GrantId::from_uuid(claim.grant_id);
@@ -274,16 +289,35 @@ impl Workers {
             worker: worker.to_owned(),
         });
         self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
+        // The verified results of the task's steps, of this generation or an earlier
+        // one. A person's `retry_as_new` starts a new generation for the step in doubt:
+        // the steps before it were checkpointed only after their results were verified
+        // (an approval only after it was given), so they are kept, not paid for again.
+        // Steps run in order, so no earlier generation holds a step after the doubt.
+        let done: Vec<(String, serde_json::Value)> = sqlx::query_as(
+            "SELECT DISTINCT ON (step) step, output FROM checkpoints \
+             WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
+        )
+        .bind(claim.task_id)
+        .bind(claim.generation)
+        .fetch_all(&mut *tx)
+        .await?;
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {
             fenceline_telemetry::metrics::global().leases_taken_over.inc();
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
-        Ok(Some(claim))
+        Ok(Some((claim, done.into_iter().collect())))
     }
 
-    async fn execute(&self, claim: ClaimRow, sent: Instant, shutdown: &CancellationToken) -> Result<(), Stop> {
+    async fn execute(
+        &self,
+        claim: ClaimRow,
+        sent: Instant,
+        done: Checkpoints,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Stop> {
         let granted = Duration::from_micros(u64::try_from(claim.lease_expires_at_us - claim.db_now_us).unwrap_or(0));
         let mut lease = Lease {
             grant_id: GrantId::from_uuid(claim.grant_id),
@@ -307,7 +341,7 @@ impl Workers {
             budget: at(claim.first_claimed_at_us.saturating_add(claim.lease_budget_ms.saturating_mul(1_000))),
             deadline: claim.deadline_us.map(at),
         };
-        let result = self.steps(&claim, &mut lease, shutdown, ends).await;
+        let result = self.steps(&claim, done, &mut lease, shutdown, ends).await;
         heartbeat.abort();
         result
     }
@@ -358,6 +392,7 @@ impl Workers {
     async fn steps(
         &self,
         claim: &ClaimRow,
+        done: Checkpoints,
         lease: &mut Lease,
         shutdown: &CancellationToken,
         ends: Ends,
@@ -370,7 +405,6 @@ impl Workers {
             return self.release(lease, ReleaseReason::Cancelled).await;
         }
         let input: serde_json::Value = serde_json::from_str(&claim.input_json).unwrap_or(serde_json::Value::Null);
-        let done = self.checkpoints(lease).await?;
         let mut outputs = serde_json::Map::new();
         let mut last: Option<ArtifactRef> = None;
         for step in &kind.steps {
@@ -416,23 +450,6 @@ impl Workers {
         self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[event]).await?;
         info!(task_id = %lease.task_id, "attempt succeeded");
         Ok(())
-    }
-
-    /// The verified results of the task's steps, of this generation or an earlier
-    /// one. A person's `retry_as_new` starts a new generation for the step in doubt:
-    /// the steps before it were checkpointed only after their results were verified
-    /// (an approval only after it was given), so they are kept, not paid for again.
-    /// Steps run in order, so no earlier generation holds a step after the doubt.
-    async fn checkpoints(&self, lease: &Lease) -> Result<HashMap<String, serde_json::Value>, Stop> {
-        let rows: Vec<(String, serde_json::Value)> = sqlx::query_as(
-            "SELECT DISTINCT ON (step) step, output FROM checkpoints \
-             WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
-        )
-        .bind(lease.task_id.as_uuid())
-        .bind(lease.generation)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows.into_iter().collect())
     }
 
     /// An approval: announce the wait and give the grant back; nothing is held.

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 /// Most committed transactions a one-step task may cost across every service, the
 /// idle system's own subtracted.
-const COMMITS_PER_TASK_BUDGET: f64 = 40.0;
+const COMMITS_PER_TASK_BUDGET: f64 = 14.0;
 
 const SERVICES: [&str; 4] = ["intake", "scheduler", "executor", "reconciler"];
 
@@ -145,7 +145,7 @@ fn statements(system: &System, service: &str) -> Statements {
 #[allow(clippy::print_stdout)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
-    let tasks = setting("FENCELINE_COMMITS_TASKS", 200);
+    let tasks = setting("FENCELINE_COMMITS_TASKS", 100);
     let warmup = 10;
     let mut system = System::new(&[("img", Caps { idempotency_keys: true, ..Caps::default() })]).await;
     system.set_provider_limits("img", 64, 100_000.0, 100_000.0);

@@ -402,7 +402,18 @@ impl System {
         self.start(id, service, extra, Exit::Expected).await;
     }
 
+    /// Starts the service process `id` from another build's `program` (the previous
+    /// release's `fenceline-scheduler`, say) with `args`, the system's settings and
+    /// `extra`, and waits until ready: old and new builds side by side.
+    pub async fn spawn_program(&mut self, id: &str, program: &str, args: &[&str], extra: &[(&'static str, String)]) {
+        self.launch(id, program, args, extra, Exit::Unexpected).await;
+    }
+
     async fn start(&mut self, id: &str, service: &str, extra: &[(&'static str, String)], exit: Exit) {
+        self.launch(id, &host_binary(), &[service], extra, exit).await;
+    }
+
+    async fn launch(&mut self, id: &str, program: &str, args: &[&str], extra: &[(&'static str, String)], exit: Exit) {
         if let Some(mut old) = self.services.remove(id) {
             old.kill();
             self.retired.push((id.to_owned(), old));
@@ -416,7 +427,7 @@ impl System {
         let mut env = self.env.clone();
         env.push(("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")));
         env.extend(extra.iter().cloned());
-        let mut proc = Proc::spawn(&host_binary(), &[service], &env);
+        let mut proc = Proc::spawn(program, args, &env);
         wait_ready(&format!("http://127.0.0.1:{port}/readyz"), &mut proc, exit).await;
         self.services.insert(id.to_owned(), proc);
         self.urls.insert(id.to_owned(), format!("http://127.0.0.1:{port}"));

@@ -10,9 +10,13 @@ use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
 use fenceline_events::topics;
-use fenceline_tests::read_until_quiet;
 use fenceline_tests::system::{Caps, System, http_as};
+use fenceline_tests::{PARTITIONS, read_topic, read_until_quiet};
 use serde_json::{Value, json};
+use sqlparser::ast::{AlterColumnOperation, AlterTableOperation, ColumnOption, ObjectType, Statement};
+use sqlparser::dialect::PostgreSqlDialect;
+use sqlparser::parser::Parser;
+use sqlparser::tokenizer::{Token, Tokenizer, Whitespace};
 
 const SERVICES: [&str; 4] = ["intake", "scheduler", "executor", "reconciler"];
 const TASKS: u64 = 40;
@@ -65,6 +69,45 @@ async fn per_schema(system: &System, query: &str) -> BTreeMap<&'static str, i64>
     counts
 }
 
+/// Writes an undecodable upstream record to every partition of the upstream topic,
+/// which both intakes share, and reads the `RequestRejected` answers: the previous
+/// release writes the version before the current one (docs/wire.md, "Versions"), and
+/// every answer decodes with the current types. Returns how many were written with
+/// the current schema and how many with an earlier one.
+async fn rejections_from_both_intakes(system: &System) -> (usize, usize) {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let requests = topics::named(&system.prefix, topics::INTAKE_REQUESTS);
+    let producer: FutureProducer =
+        rdkafka::ClientConfig::new().set("bootstrap.servers", &system.brokers).create().expect("producer");
+    for partition in 0..PARTITIONS {
+        let key = format!("garbage-{partition}");
+        let record = FutureRecord::to(&requests).partition(partition).key(&key).payload(b"\x00garbage".as_slice());
+        producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("upstream record written");
+    }
+    let (brokers, rejected) = (system.brokers.clone(), topics::named(&system.prefix, topics::INTAKE_REJECTED));
+    let records = tokio::task::spawn_blocking(move || {
+        read_topic(&brokers, &rejected, PARTITIONS as usize, Duration::from_secs(20))
+    })
+    .await
+    .expect("reader");
+    assert_eq!(records.len(), PARTITIONS as usize, "one answer per refused record:\n{}", system.logs());
+    let (_, current) = fenceline_events::registry().current("RequestRejected").expect("a current schema");
+    let mut by_version = (0, 0);
+    for record in &records {
+        let payload = rdkafka::message::Message::payload(record).expect("a value");
+        match fenceline_events::decode(payload) {
+            Ok(fenceline_events::Event::RequestRejected(r)) => assert_eq!(r.problem_type, "invalid-record"),
+            other => panic!("not a readable RequestRejected: {other:?}"),
+        }
+        if payload[2..10] == current {
+            by_version.0 += 1;
+        } else {
+            by_version.1 += 1;
+        }
+    }
+    by_version
+}
+
 /// The current services start first and migrate; the previous release's join their
 /// groups against that schema while tasks arrive through both intakes; then the
 /// previous release's stop, as the last old pods of a roll do. Every task succeeds,
@@ -112,6 +155,7 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let (current_rejected, previous_rejected) = rejections_from_both_intakes(&system).await;
     for service in SERVICES {
         system.service(&format!("previous-{service}")).signal("TERM");
     }
@@ -124,6 +168,11 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
     assert!(
         workers.get("current").is_some_and(|n| *n > 0) && workers.get("previous").is_some_and(|n| *n > 0),
         "both builds' executors ran executions: {workers:?}"
+    );
+    assert!(
+        current_rejected > 0 && previous_rejected > 0,
+        "RequestRejected written by both intakes, one schema version apart: {current_rejected} with the current \
+         schema, {previous_rejected} with the one before"
     );
     for service in SERVICES {
         let id = format!("previous-{service}");
@@ -163,58 +212,80 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
     assert_eq!(system.provider("img").charges().await, TASKS as usize, "the ledger's charges");
 }
 
-/// A statement a migration since the previous release may not make while that
-/// release still runs (expand, then contract: docs/deploy.md), or `None`.
-fn contracting(statement: &str) -> Option<&'static str> {
-    let words: Vec<String> = statement.split_whitespace().map(|w| w.to_ascii_uppercase()).collect();
-    let has = |phrase: &str| {
-        let phrase: Vec<&str> = phrase.split(' ').collect();
-        words
-            .windows(phrase.len())
-            .any(|w| w.iter().zip(&phrase).all(|(a, b)| a.trim_matches(|c| c == ',' || c == '(') == *b))
-    };
-    let altering = words.len() > 1 && words[0] == "ALTER" && words[1] == "TABLE";
-    if has("DROP TABLE") {
-        Some("DROP TABLE")
-    } else if has("DROP COLUMN") {
-        Some("DROP COLUMN")
-    } else if words.iter().any(|w| w == "RENAME") {
-        Some("RENAME")
-    } else if altering && has("TYPE") {
-        Some("ALTER ... TYPE")
-    } else if altering && has("SET NOT NULL") {
-        Some("SET NOT NULL (the previous release's inserts may leave it out)")
-    } else if altering && has("ADD COLUMN") && has("NOT NULL") && !has("DEFAULT") {
-        Some("ADD COLUMN ... NOT NULL without a DEFAULT (the previous release's inserts leave it out)")
-    } else {
-        None
+/// What `operation` of an `ALTER TABLE` takes away from the previous release while
+/// it still runs (expand, then contract: docs/deploy.md), or `None`.
+fn contracting_operation(operation: &AlterTableOperation) -> Option<&'static str> {
+    match operation {
+        AlterTableOperation::DropColumn { .. } => Some("DROP COLUMN"),
+        AlterTableOperation::DropConstraint { .. }
+        | AlterTableOperation::DropPrimaryKey { .. }
+        | AlterTableOperation::DropForeignKey { .. } => {
+            Some("DROP CONSTRAINT (the previous release's ON CONFLICT may name it)")
+        }
+        AlterTableOperation::RenameColumn { .. }
+        | AlterTableOperation::RenameTable { .. }
+        | AlterTableOperation::RenameConstraint { .. } => Some("RENAME"),
+        AlterTableOperation::ChangeColumn { .. } | AlterTableOperation::ModifyColumn { .. } => Some("ALTER ... TYPE"),
+        AlterTableOperation::AlterColumn { op, .. } => match op {
+            AlterColumnOperation::SetDataType { .. } => Some("ALTER ... TYPE"),
+            AlterColumnOperation::SetNotNull => Some("SET NOT NULL (the previous release's inserts may leave it out)"),
+            AlterColumnOperation::DropDefault => Some("DROP DEFAULT (the previous release's inserts may leave it out)"),
+            _ => None,
+        },
+        AlterTableOperation::AddColumn { column_def, .. } => {
+            let options = || column_def.options.iter().map(|o| &o.option);
+            let not_null = options().any(|o| matches!(o, ColumnOption::NotNull));
+            let filled = options().any(|o| {
+                matches!(o, ColumnOption::Default(_) | ColumnOption::Generated { .. } | ColumnOption::Identity(_))
+            });
+            (not_null && !filled)
+                .then_some("ADD COLUMN ... NOT NULL without a DEFAULT (the previous release's inserts leave it out)")
+        }
+        _ => None,
     }
 }
 
-/// The statements of a migration, each with the comment lines right above it.
-fn statements(sql: &str) -> Vec<(String, String)> {
+/// What `statement` takes away from the previous release while it still runs, or
+/// `None`: dropping anything but an index, a rename, a type change, a new obligation
+/// on the previous release's inserts.
+fn contracting(statement: &Statement) -> Option<String> {
+    match statement {
+        Statement::Drop { object_type: ObjectType::Index, .. } => None,
+        Statement::Drop { object_type, .. } => Some(format!("DROP {object_type}")),
+        Statement::RenameTable(_) => Some("RENAME".to_owned()),
+        Statement::AlterTable(alter) => alter.operations.iter().find_map(contracting_operation).map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// The statements of a migration, each as its tokens with the comment lines above it
+/// (since the statement before), split at the semicolons between statements.
+fn statements(sql: &str) -> Result<Vec<(String, Vec<Token>)>, String> {
+    let tokens = Tokenizer::new(&PostgreSqlDialect {}, sql).tokenize().map_err(|e| e.to_string())?;
     let mut out = Vec::new();
-    let (mut comments, mut statement) = (String::new(), String::new());
-    for line in sql.lines() {
-        let trimmed = line.trim();
-        if let Some(comment) = trimmed.strip_prefix("--") {
-            if statement.trim().is_empty() {
-                comments.push_str(comment);
+    let (mut comments, mut statement) = (String::new(), Vec::new());
+    let is_code = |token: &Token| !matches!(token, Token::Whitespace(_));
+    for token in tokens {
+        match token {
+            Token::SemiColon => {
+                if statement.iter().any(is_code) {
+                    out.push((std::mem::take(&mut comments), std::mem::take(&mut statement)));
+                }
+                statement.clear();
+            }
+            Token::Whitespace(
+                Whitespace::SingleLineComment { comment, .. } | Whitespace::MultiLineComment(comment),
+            ) if !statement.iter().any(is_code) => {
+                comments.push_str(comment.trim_end());
                 comments.push('\n');
             }
-            continue;
-        }
-        let code = trimmed.split("--").next().unwrap_or_default();
-        statement.push_str(code);
-        statement.push(' ');
-        if code.trim_end().ends_with(';') {
-            out.push((std::mem::take(&mut comments), std::mem::take(&mut statement)));
+            token => statement.push(token),
         }
     }
-    if !statement.trim().is_empty() {
+    if statement.iter().any(is_code) {
         out.push((comments, statement));
     }
-    out
+    Ok(out)
 }
 
 fn git(args: &[&str]) -> (bool, String) {
@@ -226,9 +297,14 @@ fn git(args: &[&str]) -> (bool, String) {
 /// step must be marked `-- contract: <revision>` naming the release that stopped
 /// reading what it removes, at or before the previous release.
 fn contract_problems(path: &str, sql: &str, previous: &str) -> Vec<String> {
+    let statements = match statements(sql) {
+        Ok(statements) => statements,
+        Err(e) => return vec![format!("{path}: the SQL does not tokenize: {e}")],
+    };
     let mut problems = Vec::new();
-    for (comments, statement) in statements(sql) {
-        let Some(what) = contracting(&statement) else { continue };
+    for (comments, tokens) in statements {
+        let text = tokens.iter().map(Token::to_string).collect::<String>();
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
         let marked = comments.lines().find_map(|l| l.trim().strip_prefix("contract:")).map(|r| {
             r.split_whitespace()
                 .next()
@@ -236,12 +312,17 @@ fn contract_problems(path: &str, sql: &str, previous: &str) -> Vec<String> {
                 .trim_end_matches(|c: char| !c.is_ascii_alphanumeric())
                 .to_owned()
         });
-        let statement = statement.split_whitespace().collect::<Vec<_>>().join(" ");
+        let what = match Parser::new(&PostgreSqlDialect {}).with_tokens(tokens).parse_statement() {
+            Ok(statement) => contracting(&statement),
+            // What the check cannot read, it cannot vouch for: a contract step unless marked.
+            Err(e) => Some(format!("a statement the check cannot parse ({e})")),
+        };
+        let Some(what) = what else { continue };
         match marked {
-            None => problems.push(format!("{path}: {what} without a `-- contract: <release>` mark: {statement}")),
+            None => problems.push(format!("{path}: {what} without a `-- contract: <release>` mark: {text}")),
             Some(release) if !git(&["merge-base", "--is-ancestor", &release, previous]).0 => problems.push(format!(
                 "{path}: {what} marked as a contract step of {release}, which is not at or before the previous \
-                 release {previous}: that release may still read it: {statement}"
+                 release {previous}: that release may still read it: {text}"
             )),
             Some(_) => {}
         }
@@ -277,22 +358,37 @@ fn migrations_since_the_previous_release_only_expand() {
     );
 }
 
-/// The check itself: it catches each contracting statement, and lets a marked one pass.
+/// The check itself: it catches each contracting statement, whatever its layout, and
+/// lets what expands and a marked contract step pass.
 #[test]
 fn the_migration_check_refuses_what_contracts_and_passes_what_expands() {
     let previous = previous_release();
-    let expanding = "-- a new table\nCREATE TABLE t (a int);\nALTER TABLE t ADD COLUMN b text, ADD COLUMN c int NOT NULL DEFAULT 0;\nCREATE INDEX t_b ON t (b);";
-    assert!(contract_problems("expand.sql", expanding, &previous).is_empty());
+    let expanding = "-- a new table\nCREATE TABLE t (a int, type text NOT NULL);\n\
+        ALTER TABLE t ADD COLUMN b text, ADD COLUMN c int NOT NULL DEFAULT 0; CREATE INDEX t_b ON t (b);\n\
+        ALTER TABLE t ADD COLUMN type_name text, ALTER COLUMN a DROP NOT NULL, ALTER COLUMN b SET DEFAULT 'x';\n\
+        ALTER TABLE t ADD COLUMN d bigint GENERATED ALWAYS AS IDENTITY;\n\
+        DROP INDEX IF EXISTS t_b;\nALTER TABLE t ADD COLUMN e text -- no semicolon at the end\n";
+    let passed = contract_problems("expand.sql", expanding, &previous);
+    assert!(passed.is_empty(), "refused what only expands: {passed:?}");
     for bad in [
         "ALTER TABLE tasks DROP COLUMN labels;",
+        "ALTER TABLE tasks DROP labels",
         "DROP TABLE early_grant_facts;",
+        "drop table if exists early_grant_facts cascade;",
         "ALTER TABLE tasks RENAME COLUMN kind TO task_kind;",
         "ALTER TABLE tasks RENAME TO jobs;",
         "ALTER TABLE tasks ALTER COLUMN version TYPE bigint;",
+        "ALTER TABLE tasks ALTER version SET DATA TYPE bigint USING version::bigint;",
         "ALTER TABLE tasks ALTER COLUMN tenant SET NOT NULL;",
+        "ALTER TABLE tasks ALTER COLUMN tenant SET NOT NULL",
+        "ALTER TABLE tasks ALTER COLUMN state DROP DEFAULT;",
         "ALTER TABLE tasks ADD COLUMN owner text NOT NULL;",
+        "ALTER TABLE tasks ADD COLUMN owner text NOT NULL, ADD COLUMN note text DEFAULT '';",
+        "ALTER TABLE tasks DROP CONSTRAINT tasks_tenant_key;",
+        "CREATE TABLE t (a int); ALTER TABLE\n  tasks\n  DROP COLUMN\n  labels;",
     ] {
-        assert_eq!(contract_problems("bad.sql", bad, &previous).len(), 1, "not refused: {bad}");
+        let refused = contract_problems("bad.sql", bad, &previous);
+        assert_eq!(refused.len(), 1, "not refused exactly once: {bad}: {refused:?}");
     }
     let marked = format!(
         "-- The previous release no longer reads it.\n-- contract: {previous}\nALTER TABLE tasks DROP COLUMN labels;"
@@ -303,4 +399,11 @@ fn the_migration_check_refuses_what_contracts_and_passes_what_expands() {
     if head.trim() != previous {
         assert_eq!(contract_problems("new.sql", &too_new, &previous).len(), 1, "a release after the previous one");
     }
+    let mark_above_another =
+        format!("-- contract: {previous}\nALTER TABLE tasks DROP COLUMN labels;\nALTER TABLE tasks DROP COLUMN kind;");
+    assert_eq!(
+        contract_problems("two.sql", &mark_above_another, &previous).len(),
+        1,
+        "a mark covers only the statement right below it"
+    );
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
 use fenceline_events::topics;
-use fenceline_tests::system::{Caps, System, http_as};
+use fenceline_tests::system::{Caps, System, api_agent, submit_over_api};
 use fenceline_tests::{PARTITIONS, read_topic, read_until_quiet};
 use serde_json::{Value, json};
 use sqlparser::ast::{AlterColumnOperation, AlterTableOperation, ColumnOption, ObjectType, Statement};
@@ -48,12 +48,19 @@ fn previous_release_binaries() -> PathBuf {
     dir
 }
 
-/// Submits task `n` through the intake at `url`; its input carries `n` to the provider.
+/// Submits task `n` through the intake at `url`, as a client would; its input carries
+/// `n` to the provider.
 async fn submit(url: &str, token: &str, n: u64) -> TaskId {
     let body = json!({"kind": "image.generate", "input": {"n": n, "prompt": format!("item {n}")}});
-    let (status, answer) = http_as("POST", format!("{url}/v1/tasks"), token, Some(body)).await.expect("submit");
-    assert!(status == 201 || status == 202, "task {n} refused with {status}: {answer}");
-    answer["task_id"].as_str().and_then(|id| id.parse().ok()).unwrap_or_else(|| panic!("no task id in {answer}"))
+    let (url, token) = (url.to_owned(), token.to_owned());
+    let answer = tokio::task::spawn_blocking(move || {
+        submit_over_api(&api_agent(), &url, &token, &format!("upgrade-{n}"), &body)
+    })
+    .await
+    .expect("submitter")
+    .unwrap_or_else(|e| panic!("task {n} not submitted: {e}"));
+    assert!(answer.status == 201 || answer.status == 202, "task {n} refused with {}: {}", answer.status, answer.body);
+    answer.task_id().and_then(|id| id.parse().ok()).unwrap_or_else(|| panic!("no task id in {}", answer.body))
 }
 
 /// Counts per schema of `query`, which runs in every service's schema (`{schema}`).

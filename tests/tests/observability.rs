@@ -126,7 +126,7 @@ async fn otlp_receiver() -> (String, Received) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_task_is_one_trace_across_the_four_services_and_the_provider_call() {
     let (receiver, received) = otlp_receiver().await;
-    let mut system = System::new(&[("img", Caps::default())]).await;
+    let mut system = System::new(&[("img", Caps { lookup: true, ..Caps::default() })]).await;
     system.env.extend([
         ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json".into()),
@@ -138,12 +138,11 @@ async fn one_task_is_one_trace_across_the_four_services_and_the_provider_call() 
     system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate".into())]).await;
     system.spawn_all(None).await;
     let token = system.token("acme").await;
-    let trace_id = uuid::Uuid::new_v4().simple().to_string();
-    let traceparent = format!("00-{trace_id}-{}-01", &uuid::Uuid::new_v4().simple().to_string()[..16]);
+    let (trace_id, traceparent) = new_trace();
     let task = submit(&system, &token, "traced", Some(&traceparent)).await;
     system.wait_state(task, &["succeeded"], Duration::from_secs(60)).await;
 
-    let expected: BTreeSet<(&str, &str)> = [
+    let expected = [
         ("intake", "POST /v1/tasks"),
         ("scheduler", "handle"),
         ("scheduler", "grant"),
@@ -152,35 +151,18 @@ async fn one_task_is_one_trace_across_the_four_services_and_the_provider_call() 
         ("executor", "start img"),
         ("reconciler", "handle"),
         ("intake", "handle"),
-    ]
-    .into_iter()
-    .collect();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let seen = loop {
-        let seen: BTreeSet<(String, String)> = received
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|(_, trace, _)| *trace == trace_id)
-            .map(|(service, _, name)| (service.clone(), name.clone()))
-            .collect();
-        let rounds = received
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|(service, _, name)| service == "scheduler" && name == "dispatch round");
-        if rounds && expected.iter().all(|(s, n)| seen.contains(&((*s).to_owned(), (*n).to_owned()))) {
-            break seen;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "spans missing: the task's trace should hold {expected:?} and the scheduler send its dispatch \
-             rounds; the trace holds {seen:?}\nevery span: {:?}\n{}",
-            received.lock().unwrap_or_else(|p| p.into_inner()),
-            system.logs()
-        );
+    ];
+    let seen = wait_for_trace(&received, &trace_id, &expected, &system).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !received
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|(service, _, name)| service == "scheduler" && name == "dispatch round")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "the scheduler exported no dispatch round");
         tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    }
     eprintln!("the task's trace {trace_id}: {seen:?}");
 
     // The provider was called with the same trace.
@@ -203,5 +185,53 @@ async fn one_task_is_one_trace_across_the_four_services_and_the_provider_call() 
             lines.iter().any(|l| l.contains(&task.to_string()) && l.contains("\"attempt\":1")),
             "{id} logged no `{message}` line naming the task and its attempt: {lines:?}"
         );
+    }
+
+    // A call answered 504 after the provider did the work: the reconciler opens a
+    // case and asks the provider, and its look-up joins the task's trace.
+    system.provider("img").rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    let (recovered_trace, traceparent) = new_trace();
+    let recovered = submit(&system, &token, "recovered", Some(&traceparent)).await;
+    system.wait_state(recovered, &["succeeded"], Duration::from_secs(60)).await;
+    let expected =
+        [("executor", "start img"), ("reconciler", "handle"), ("reconciler", "ask"), ("reconciler", "lookup img")];
+    let seen = wait_for_trace(&received, &recovered_trace, &expected, &system).await;
+    eprintln!("the recovered task's trace {recovered_trace}: {seen:?}");
+}
+
+/// A new trace id and a `traceparent` that starts it, as a client would send.
+fn new_trace() -> (String, String) {
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let traceparent = format!("00-{trace_id}-{}-01", &uuid::Uuid::new_v4().simple().to_string()[..16]);
+    (trace_id, traceparent)
+}
+
+/// Waits until the receiver holds every (service, span name) of `expected` in the
+/// trace `trace_id`; returns all of that trace's.
+async fn wait_for_trace(
+    received: &Received,
+    trace_id: &str,
+    expected: &[(&str, &str)],
+    system: &System,
+) -> BTreeSet<(String, String)> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen: BTreeSet<(String, String)> = received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, trace, _)| trace == trace_id)
+            .map(|(service, _, name)| (service.clone(), name.clone()))
+            .collect();
+        if expected.iter().all(|(s, n)| seen.contains(&((*s).to_owned(), (*n).to_owned()))) {
+            return seen;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "spans missing: the trace {trace_id} should hold {expected:?}; it holds {seen:?}\nevery span: {:?}\n{}",
+            received.lock().unwrap_or_else(|p| p.into_inner()),
+            system.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

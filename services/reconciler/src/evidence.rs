@@ -18,7 +18,7 @@ use fenceline_providers::{HttpProvider, Lookup, VerifyError};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{Instrument as _, info, warn};
 
 use crate::ReconcilerSettings;
 use crate::watches::{decide, evidence, recovery};
@@ -49,6 +49,21 @@ struct AskRow {
     ask_until_us: i64,
     never_received_counts_from_us: i64,
     evidence: sqlx::types::Json<Vec<Evidence>>,
+    /// The trace of the task, as the event that opened the case carried it.
+    traceparent: Option<String>,
+}
+
+/// A span for the reconciler's own work on a task, in the task's trace.
+fn task_span(name: &'static str, task_id: uuid::Uuid, attempt: i32, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "reconcile",
+        otel.name = name,
+        task_id = %task_id,
+        attempt,
+        trace_id = tracing::field::Empty,
+    );
+    fenceline_telemetry::continue_trace(&span, traceparent);
+    span
 }
 
 /// Look-ups in flight at once at one provider: a provider that answers slowly (or
@@ -102,12 +117,16 @@ impl Reconciler {
                     let provider = case.provider.clone().unwrap_or_default();
                     *busy.entry(provider.clone()).or_default() += 1;
                     let this = self.clone();
-                    asking.spawn(async move {
-                        if let Err(e) = this.ask(case).await {
-                            warn!(error = %e, "asking a provider failed; trying again");
+                    let span = task_span("ask", case.task_id, case.attempt, case.traceparent.as_deref());
+                    asking.spawn(
+                        async move {
+                            if let Err(e) = this.ask(case).await {
+                                warn!(error = %e, "asking a provider failed; trying again");
+                            }
+                            provider
                         }
-                        provider
-                    });
+                        .instrument(span),
+                    );
                     continue;
                 }
                 Ok(None) => {}
@@ -127,8 +146,9 @@ impl Reconciler {
     async fn reissue_unclaimed(&self) -> Result<(), fenceline_bus::Error> {
         let now = Timestamp::now().0;
         let mut tx = self.pool.begin().await?;
-        let due: Vec<(uuid::Uuid, sqlx::types::Json<AttemptGranted>, i32)> = sqlx::query_as(
-            "SELECT grant_id, granted, reissues FROM grants WHERE NOT claimed AND NOT ended AND claim_deadline_us < $1 \
+        let due: Vec<(uuid::Uuid, sqlx::types::Json<AttemptGranted>, i32, Option<String>)> = sqlx::query_as(
+            "SELECT grant_id, granted, reissues, traceparent FROM grants \
+             WHERE NOT claimed AND NOT ended AND claim_deadline_us < $1 \
              ORDER BY claim_deadline_us LIMIT 100 FOR UPDATE SKIP LOCKED",
         )
         .bind(now)
@@ -137,8 +157,9 @@ impl Reconciler {
         if due.is_empty() {
             return Ok(());
         }
-        for (grant_id, granted, reissues) in &due {
+        for (grant_id, granted, reissues, traceparent) in &due {
             let grant = granted.0.clone();
+            let span = task_span("reissue", grant.task_id.as_uuid(), grant.attempt, traceparent.as_deref());
             // Each re-issue waits longer, so a stopped executor fleet is not flooded.
             let wait_ms = self.settings.claim_timeout_ms.saturating_mul(1 << (*reissues).clamp(0, 5));
             sqlx::query("UPDATE grants SET reissues = reissues + 1, claim_deadline_us = $2 WHERE grant_id = $1")
@@ -153,14 +174,20 @@ impl Reconciler {
                     self.settings.claim_timeout_ms
                 ),
             )];
-            decide(
-                &mut tx,
-                &self.outbox,
-                recovery(grant.task_id, grant.attempt, RecoveryDecision::ReissueGrant, found),
-            )
+            // The decision and the grant published again carry the task's trace.
+            async {
+                decide(
+                    &mut tx,
+                    &self.outbox,
+                    recovery(grant.task_id, grant.attempt, RecoveryDecision::ReissueGrant, found),
+                )
+                .await?;
+                self.outbox.append(&mut tx, topics::DISPATCH, None, &Event::AttemptGranted(grant.clone())).await?;
+                warn!(%grant_id, reissues = reissues + 1, "grant not claimed in time: re-issued");
+                Ok::<(), fenceline_bus::Error>(())
+            }
+            .instrument(span)
             .await?;
-            self.outbox.append(&mut tx, topics::DISPATCH, None, &Event::AttemptGranted(grant.clone())).await?;
-            warn!(task_id = %grant.task_id, %grant_id, reissues = reissues + 1, "grant not claimed in time: re-issued");
         }
         tx.commit().await?;
         self.outbox.committed();
@@ -177,7 +204,7 @@ impl Reconciler {
                  AND NOT (coalesce(provider, '') = ANY($3)) \
                  ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
              RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, \
-                       never_received_counts_from_us, evidence",
+                       never_received_counts_from_us, evidence, traceparent",
         )
         .bind(now)
         .bind(now + 30_000_000)

@@ -141,9 +141,9 @@ impl Watches {
         let inserted = sqlx::query(
             "INSERT INTO cases (case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
              last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at, \
-             never_received_counts_from_us) \
+             never_received_counts_from_us, traceparent) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
-                     CASE WHEN $11 = 'decided' THEN now() END, $16) \
+                     CASE WHEN $11 = 'decided' THEN now() END, $16, $17) \
              ON CONFLICT (task_id, attempt) DO NOTHING",
         )
         .bind(case_id)
@@ -162,6 +162,8 @@ impl Watches {
         .bind(ask_until)
         .bind(sqlx::types::Json(&found))
         .bind(now + spec.map(|p| i64::try_from(p.in_flight_window().as_micros()).unwrap_or(i64::MAX / 4)).unwrap_or(0))
+        // The handler's span continues the task's trace; the case's look-ups join it.
+        .bind(fenceline_telemetry::current_traceparent())
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -195,7 +197,8 @@ impl Handler for Watches {
                 let (claimed, ended) = early.unwrap_or_default();
                 sqlx::query(
                     "INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
-                     claim_deadline_us, claimed, ended) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                     claim_deadline_us, claimed, ended, traceparent) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
                      ON CONFLICT (grant_id) DO NOTHING",
                 )
                 .bind(g.grant_id.as_uuid())
@@ -208,6 +211,8 @@ impl Handler for Watches {
                 .bind(claim_by)
                 .bind(claimed)
                 .bind(ended)
+                // A re-issue of the grant joins the task's trace.
+                .bind(fenceline_telemetry::current_traceparent())
                 .execute(&mut *tx)
                 .await?;
             }

@@ -380,3 +380,29 @@ impl ServiceApp {
         let _ = server.await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_once_started_and_while_every_consumer_holds_its_assignment() {
+        let readiness = Readiness::default();
+        let (first, second) = (Arc::new(ConsumerStats::default()), Arc::new(ConsumerStats::default()));
+        readiness.watch(first.clone());
+        readiness.watch(second.clone());
+        assert!(!readiness.get(), "not started");
+        readiness.set(true);
+        assert!(!readiness.get(), "started, but no consumer has its assignment yet");
+        first.joined.store(true, Ordering::Release);
+        assert!(!readiness.get(), "one consumer still waits for the group");
+        // An empty assignment counts: the instance is a standby (docs/decisions.md, 17).
+        second.joined.store(true, Ordering::Release);
+        assert!(readiness.get());
+        second.joined.store(false, Ordering::Release);
+        assert!(!readiness.get(), "a consumer gave its partitions up after a failed rebalance");
+        second.joined.store(true, Ordering::Release);
+        readiness.set(false);
+        assert!(!readiness.get(), "shutting down");
+    }
+}

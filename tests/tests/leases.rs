@@ -1,7 +1,8 @@
 //! Leases, deadlines and the moment a paid request may leave, end to end on the
 //! real stack: an executor whose wall clock is minutes ahead, a grant claimed after
 //! its task's deadline, a worker whose lease would not hold while its request
-//! leaves. The fake provider's ledger judges what was charged.
+//! leaves, a worker whose writes fail for longer than its lease after the provider
+//! answered. The fake provider's ledger judges what was charged.
 
 use std::time::Duration;
 
@@ -121,4 +122,94 @@ async fn an_executor_whose_lease_cannot_cover_a_request_leaving_refuses_to_start
     let lines = system.service("executor").all_lines();
     assert!(exit.is_some(), "it started:\n{lines}");
     assert!(lines.contains("too short for provider `img`"), "it said why:\n{lines}");
+}
+
+/// The executor's processes with one worker each: in an outage of the executor's
+/// database no other worker could take an execution over either.
+fn one_worker() -> Vec<(&'static str, String)> {
+    vec![("FENCELINE_EXECUTOR_WORKERS", "1".to_owned())]
+}
+
+/// How many executor writes waiting for `table`'s lock were cut, as a database
+/// outage cuts connections.
+async fn cut_writes_waiting_for(system: &System, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' \
+         AND query LIKE 'INSERT INTO ' || $1 || '%'",
+    )
+    .bind(table)
+    .fetch_one(&system.pool)
+    .await
+    .expect("cut connections")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verified_result_whose_checkpoint_meets_a_database_outage_longer_than_the_lease_succeeds_with_one_call() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    // Renewals fail throughout, as they would in the outage: the 2 s lease lapses
+    // while the worker still tries to record the result it verified.
+    let mut executor = one_worker();
+    executor.push(("FAILPOINTS", "executor.renew_lease=return".to_owned()));
+    system.spawn("executor", "executor", &executor).await;
+    // The checkpoint write waits for this lock, and every try of it is cut.
+    let mut lock = system.pool.begin().await.expect("lock transaction");
+    sqlx::query("LOCK TABLE executor.checkpoints IN SHARE MODE").execute(&mut *lock).await.expect("lock");
+    let task = system.submit("acme", "image.generate", json!({"prompt": "an outage shoe"})).await;
+
+    let deadline = tokio::time::Instant::now() + LONG;
+    let mut cut = 0;
+    let mut first_cut = None;
+    while first_cut.is_none_or(|at: tokio::time::Instant| at.elapsed() < Duration::from_millis(2600)) {
+        assert!(tokio::time::Instant::now() < deadline, "no checkpoint write came:\n{}", system.logs());
+        let now = cut_writes_waiting_for(&system, "checkpoints").await;
+        if now > 0 && first_cut.is_none() {
+            first_cut = Some(tokio::time::Instant::now());
+        }
+        cut += now;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    lock.rollback().await.expect("end the outage");
+    assert_eq!(calls(&system, "img").await, (1, 1), "the provider answered once before the outage");
+
+    system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
+    assert!(cut >= 2, "the checkpoint write was cut {cut} times");
+    assert_eq!(execution(&system, task).await, (1, "succeeded".to_owned()), "the worker recorded it: no takeover");
+    assert_eq!(calls(&system, "img").await, (1, 1), "one call in all");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_lapses_between_the_call_intent_and_the_request_is_recorded_not_sent_and_retried_once() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    // Renewals fail and the worker is held up past its whole 2 s lease after its
+    // call intent, once; the next attempt sends on its fresh lease.
+    let mut executor = one_worker();
+    executor.push(("FAILPOINTS", "executor.renew_lease=return;executor.after_call_intent=1*sleep(2500)".to_owned()));
+    system.spawn("executor", "executor", &executor).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a lapsed shoe"})).await;
+
+    system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
+    assert_eq!(calls(&system, "img").await, (1, 1), "one call in all");
+    let attempts: Vec<(i32, String)> =
+        sqlx::query_as("SELECT attempt, status FROM executor.executions WHERE task_id = $1 ORDER BY attempt")
+            .bind(task.as_uuid())
+            .fetch_all(&system.pool)
+            .await
+            .expect("executions");
+    assert_eq!(attempts, vec![(1, "failed".to_owned()), (2, "succeeded".to_owned())], "attempt 1 sent nothing");
+    assert!(system.count_lines("not sent") >= 1, "the worker said why:\n{}", system.logs());
+    let cases: i64 = sqlx::query_scalar("SELECT count(*) FROM reconciler.cases WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("cases");
+    assert_eq!(cases, 0, "nothing was in doubt");
 }

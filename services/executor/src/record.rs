@@ -2,8 +2,10 @@
 //! transaction, conditional on the worker's fencing token and the phase it last
 //! wrote, carrying the events that announce it and, where a step ends, its
 //! checkpoint or the operation key's `seq` bump. Zero rows means another worker
-//! holds the execution. A transient database error is retried while the lease
-//! still holds, so a worker that knows the outcome records it.
+//! holds the execution. A transient database error is retried until the attempt
+//! budget ends, also after the lease lapsed (renewals fail in the same outage):
+//! the write stays conditional on the token, so a worker that knows the outcome
+//! records it unless another worker took the execution over meanwhile.
 
 use std::time::Duration;
 
@@ -11,6 +13,7 @@ use fenceline_domain::calls::Backoff;
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{AttemptFailed, AttemptReleased, Event, topics};
 use sqlx::PgConnection;
+use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::worker::{Lease, Stop, Workers, jitter};
@@ -134,7 +137,8 @@ const WRITE_RETRY: Backoff = Backoff { base: Duration::from_millis(100), cap: Du
 
 impl Workers {
     /// Writes `transition` and `events` in one fenced transaction. A database
-    /// error is tried again with backoff while this worker's lease holds; a retry
+    /// error is tried again with backoff until the attempt budget ends, while no
+    /// other worker is known to hold the execution; a retry
     /// that finds its own earlier commit (the answer to the commit was lost) counts
     /// as done.
     pub(crate) async fn record(
@@ -157,10 +161,12 @@ impl Workers {
                     count_ends(events);
                     return Ok(Recorded { cancel_requested: false, seq: None, renewed: false });
                 }
-                Err(Stop::Bus(fenceline_bus::Error::Database(e))) if lease.holds() && !lease.fenced() => {
+                Err(Stop::Bus(fenceline_bus::Error::Database(e)))
+                    if !lease.fenced() && Instant::now() < lease.writes_until =>
+                {
                     let wait = WRITE_RETRY.delay(tries, None, 0.5 + jitter() / 2.0);
                     warn!(task_id = %lease.task_id, error = %e, phase = %transition.phase, ?wait,
-                        "a fenced write failed; trying again while the lease holds");
+                        "a fenced write failed; trying again");
                     tokio::time::sleep(wait).await;
                     tries += 1;
                 }

@@ -128,14 +128,13 @@ pub(crate) struct Lease {
     valid_until: Arc<Mutex<Instant>>,
     /// Cancelled when a renewal found that another worker holds the execution.
     pub fenced: CancellationToken,
+    /// Until when a write that met a database error is tried again (the attempt
+    /// budget's end): every write is fenced, so a retry after the lease lapsed
+    /// either records what this worker knows or is rejected, never both.
+    pub(crate) writes_until: Instant,
 }
 
 impl Lease {
-    /// Whether the lease still holds, with the margin, as of its last renewal.
-    pub fn holds(&self) -> bool {
-        self.holds_for(Duration::ZERO)
-    }
-
     /// Whether the lease surely holds for `span` more, with the margin.
     pub fn holds_for(&self, span: Duration) -> bool {
         let until = *self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
@@ -319,17 +318,6 @@ impl Workers {
         shutdown: &CancellationToken,
     ) -> Result<(), Stop> {
         let granted = Duration::from_micros(u64::try_from(claim.lease_expires_at_us - claim.db_now_us).unwrap_or(0));
-        let mut lease = Lease {
-            grant_id: GrantId::from_uuid(claim.grant_id),
-            task_id: TaskId::from_uuid(claim.task_id),
-            attempt: claim.attempt,
-            generation: claim.generation,
-            token: claim.fencing_token,
-            phase: read_phase(&claim.phase),
-            valid_until: Arc::new(Mutex::new(sent + granted)),
-            fenced: CancellationToken::new(),
-        };
-        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
         // The attempt budget and the task's deadline, as monotonic instants: a
         // database instant `at` lies `at - db_now` after the claim was sent (or
         // earlier, never later).
@@ -341,6 +329,18 @@ impl Workers {
             budget: at(claim.first_claimed_at_us.saturating_add(claim.lease_budget_ms.saturating_mul(1_000))),
             deadline: claim.deadline_us.map(at),
         };
+        let mut lease = Lease {
+            grant_id: GrantId::from_uuid(claim.grant_id),
+            task_id: TaskId::from_uuid(claim.task_id),
+            attempt: claim.attempt,
+            generation: claim.generation,
+            token: claim.fencing_token,
+            phase: read_phase(&claim.phase),
+            valid_until: Arc::new(Mutex::new(sent + granted)),
+            fenced: CancellationToken::new(),
+            writes_until: ends.budget,
+        };
+        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
         let result = self.steps(&claim, done, &mut lease, shutdown, ends).await;
         heartbeat.abort();
         result

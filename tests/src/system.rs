@@ -339,6 +339,9 @@ impl System {
             ("FENCELINE_RECONCILER_ASK_BASE_MS", "300".into()),
             ("FENCELINE_RECONCILER_ASK_CAP_MS", "2000".into()),
             ("FENCELINE_RECONCILER_ASK_FOR_MS", "20000".into()),
+            // The suites offer load as fast as they can; admission has tests of its own.
+            ("FENCELINE_INTAKE_TENANT_RATE_PER_SECOND", "100000".into()),
+            ("FENCELINE_INTAKE_TENANT_BURST", "100000".into()),
             ("RUST_LOG", "info,sqlx=warn,rdkafka=warn".into()),
         ];
         System {

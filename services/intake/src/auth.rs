@@ -87,7 +87,7 @@ pub async fn tenant_of(pool: &PgPool, token: &str) -> Result<Option<Tenant>, sql
 }
 
 /// The tenant of the request's bearer token. Extracting it answers 401 for a missing,
-/// unknown or revoked token.
+/// unknown or revoked token, and 429 when the tenant is over its request rate.
 #[derive(Debug, Clone)]
 pub struct Caller(pub Tenant);
 
@@ -98,12 +98,16 @@ impl FromRequest for Caller {
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
         let token = bearer(req);
         let pool = req.app_data::<web::Data<PgPool>>().cloned();
+        let admission = req.app_data::<web::Data<crate::admission::Admission>>().cloned();
         Box::pin(async move {
             let (Some(token), Some(pool)) = (token, pool) else {
                 return Err(ApiError::Unauthorized);
             };
-            let tenant = tenant_of(pool.get_ref(), &token).await?;
-            tenant.map(Caller).ok_or(ApiError::Unauthorized)
+            let tenant = tenant_of(pool.get_ref(), &token).await?.ok_or(ApiError::Unauthorized)?;
+            if let Some(admission) = admission {
+                admission.admit(&tenant)?;
+            }
+            Ok(Caller(tenant))
         })
     }
 }

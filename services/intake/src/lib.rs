@@ -2,6 +2,7 @@
 //! upstream intake topic; the `task_view` read model.
 
 pub mod actions;
+pub mod admission;
 pub mod auth;
 pub mod kinds;
 pub mod live;
@@ -96,6 +97,9 @@ pub struct IntakeConfig {
     /// Largest request body, in bytes.
     #[arg(long = "body-limit-bytes", env = "FENCELINE_INTAKE_BODY_LIMIT_BYTES", default_value_t = 256 * 1024)]
     pub body_limit_bytes: usize,
+
+    #[command(flatten)]
+    pub admission: admission::AdmissionConfig,
 }
 
 /// The longest value of one request header, in bytes.
@@ -126,11 +130,15 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     );
     let upstream_kinds = kinds.clone();
     let body_limit = config.intake.body_limit_bytes;
+    let admission = admission::Admission::new(&config.intake.admission, body_limit)
+        .map_err(|e| Error::Config(fenceline_config::Error(e)))?;
+    let idle_buckets = admission.clone();
     let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
     let changes = live::Changes::default();
     let streams = changes.clone();
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
+        let admission = web::Data::new(admission);
         let openapi = Arc::new(openapi::document(&kinds).to_string());
         let state = web::Data::new(State {
             outbox: base.outbox.clone(),
@@ -145,6 +153,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             cfg.service(
                 web::scope("/v1")
                     .wrap(from_fn(header_limits))
+                    .wrap(from_fn(admission::guard))
+                    .app_data(admission.clone())
                     .app_data(pool.clone())
                     .app_data(state.clone())
                     .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))
@@ -196,6 +206,10 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                 Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
             }
         }
+    });
+    app.base.spawn_every(Duration::from_secs(60), move || {
+        idle_buckets.forget_idle_tenants();
+        async {}
     });
     let pool = app.base.database.pool.clone();
     let after = config.intake.unscheduled_after();
@@ -290,6 +304,10 @@ async fn openapi_document(state: web::Data<State>) -> HttpResponse {
         (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "Unknown kind, input failing its schema, or a key reused for another request", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn submit(
@@ -345,6 +363,10 @@ fn who(caller: &Caller) -> String {
         (status = 400, description = "A bad filter or cursor", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn list(
@@ -365,6 +387,10 @@ async fn list(
         (status = 400, description = "A bad filter", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn summary(
@@ -422,6 +448,10 @@ async fn events(
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
@@ -437,6 +467,10 @@ async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) 
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn cancel(
@@ -468,6 +502,10 @@ async fn cancel(
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn signal(
@@ -515,6 +553,10 @@ async fn signal(
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn resolve(
@@ -554,15 +596,24 @@ async fn resolve(
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 422, description = "The input fails the kind's schema", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
 async fn webhook(
     req: HttpRequest,
     state: web::Data<State>,
     pool: web::Data<PgPool>,
+    admission: web::Data<admission::Admission>,
     path: web::Path<String>,
-    body: web::Bytes,
+    body: Result<web::Bytes, actix_web::Error>,
 ) -> Result<HttpResponse, ApiError> {
+    let body = body.map_err(|e| match e.as_response_error().status_code() {
+        actix_web::http::StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(e.to_string()),
+        _ => ApiError::InvalidRequest(format!("body: {e}")),
+    })?;
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
     let refused = |e: webhooks::SignatureError| ApiError::BadSignature(e.to_string());
     let source = webhooks::source(&pool, &path).await?.ok_or_else(|| refused(webhooks::SignatureError::NoMatch))?;
@@ -577,6 +628,7 @@ async fn webhook(
         state.webhook_tolerance_seconds,
     )
     .map_err(refused)?;
+    admission.admit(&source.tenant)?;
     let input: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidRequest(format!("body: {e}")))?;
     let key =

@@ -32,6 +32,12 @@ pub enum ApiError {
     AlreadyResolved(String),
     #[error("{0}")]
     InputInvalid(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("tenant {tenant} is over its request rate; retry after {} s", retry_after_seconds(*.retry_after))]
+    TooManyRequests { tenant: String, retry_after: std::time::Duration },
+    #[error("intake is serving as many requests as it may at once; retry after {} s", retry_after_seconds(crate::admission::OVERLOADED_RETRY_AFTER))]
+    Overloaded,
     #[error("internal error; it was logged")]
     Internal(#[from] sqlx::Error),
     #[error("internal error; it was logged")]
@@ -69,7 +75,20 @@ impl ApiError {
             ApiError::CaseChanged(_) => "/problems/case-changed",
             ApiError::AlreadyResolved(_) => "/problems/already-resolved",
             ApiError::InputInvalid(_) => "/problems/input-invalid",
+            ApiError::PayloadTooLarge(_) => "/problems/payload-too-large",
+            ApiError::TooManyRequests { .. } => "/problems/too-many-requests",
+            ApiError::Overloaded => "/problems/overloaded",
             ApiError::Internal(_) | ApiError::Bus(_) => "/problems/internal",
+        }
+    }
+
+    /// How long the client should wait before it tries again, for the refusals
+    /// that pass (`429`, `503`).
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            ApiError::TooManyRequests { retry_after, .. } => Some(*retry_after),
+            ApiError::Overloaded => Some(crate::admission::OVERLOADED_RETRY_AFTER),
+            _ => None,
         }
     }
 
@@ -86,6 +105,9 @@ impl ApiError {
             ApiError::CaseChanged(_) => "The task's case changed",
             ApiError::AlreadyResolved(_) => "The case was already resolved",
             ApiError::InputInvalid(_) => "Input does not match its kind's schema",
+            ApiError::PayloadTooLarge(_) => "Payload too large",
+            ApiError::TooManyRequests { .. } => "Too many requests",
+            ApiError::Overloaded => "Overloaded",
             ApiError::Internal(_) | ApiError::Bus(_) => "Internal error",
         }
     }
@@ -105,9 +127,13 @@ impl ResponseError for ApiError {
             ApiError::NotResolvable(_) | ApiError::CaseChanged(_) | ApiError::AlreadyResolved(_) => {
                 StatusCode::CONFLICT
             }
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
+
 
     fn error_response(&self) -> HttpResponse {
         if let ApiError::Internal(e) = self {
@@ -116,7 +142,14 @@ impl ResponseError for ApiError {
         if let ApiError::Bus(e) = self {
             tracing::error!(error = %e, "request failed writing its event");
         }
-        answer(self.status_code(), self.problem_type(), self.title(), self.to_string())
+        let mut response = answer(self.status_code(), self.problem_type(), self.title(), self.to_string());
+        if let Some(wait) = self.retry_after() {
+            response.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from(retry_after_seconds(wait)),
+            );
+        }
+        response
     }
 }
 
@@ -145,7 +178,13 @@ pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::Htt
 }
 
 fn payload_too_large(detail: String) -> actix_web::Error {
-    answered(answer(StatusCode::PAYLOAD_TOO_LARGE, "/problems/payload-too-large", "Payload too large", detail))
+    ApiError::PayloadTooLarge(detail).into()
+}
+
+/// `Retry-After` in whole seconds, rounded up and at least 1: a client that waits
+/// that long finds a token.
+fn retry_after_seconds(wait: std::time::Duration) -> u64 {
+    (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1)
 }
 
 /// A header over its limit (`431`, `/problems/header-too-large`).
@@ -181,4 +220,34 @@ fn answer(status: StatusCode, problem_type: &'static str, title: &'static str, d
         response.insert_header(("WWW-Authenticate", "Bearer"));
     }
     response.json(Problem { problem_type, title, status: status.as_u16(), detail })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds_and_is_never_zero() {
+        assert_eq!(retry_after_seconds(Duration::ZERO), 1);
+        assert_eq!(retry_after_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(retry_after_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(retry_after_seconds(Duration::from_millis(2001)), 3);
+    }
+
+    #[test]
+    fn refusals_that_pass_carry_retry_after_and_a_problem() {
+        let refused = ApiError::TooManyRequests { tenant: "acme".into(), retry_after: Duration::from_millis(1500) };
+        let response = refused.error_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("2"));
+        assert_eq!(
+            response.headers().get("content-type").and_then(|v| v.to_str().ok()),
+            Some("application/problem+json")
+        );
+        let overloaded = ApiError::Overloaded.error_response();
+        assert_eq!(overloaded.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(overloaded.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        assert!(ApiError::TaskNotFound("x".into()).error_response().headers().get("retry-after").is_none());
+    }
 }

@@ -27,6 +27,8 @@ pub struct Submission {
     pub due_us: i64,
     pub answered_us: i64,
     pub accepted: bool,
+    /// The status intake answered; 0 when it did not answer.
+    pub status: u16,
 }
 
 /// Where and as whom to submit.
@@ -45,7 +47,7 @@ pub fn unix_us() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
-fn submit(agent: &ureq::Agent, target: &Target, index: u64) -> (bool, Option<String>) {
+fn submit(agent: &ureq::Agent, target: &Target, index: u64) -> (u16, Option<String>) {
     let body = serde_json::json!({"kind": target.kind, "input": {"bench": format!("{}-{index}", target.tag)}});
     let answer = agent
         .post(format!("{}/v1/tasks", target.base))
@@ -57,9 +59,13 @@ fn submit(agent: &ureq::Agent, target: &Target, index: u64) -> (bool, Option<Str
         Ok(mut response) if response.status() == 202 => {
             let text = response.body_mut().read_to_string().unwrap_or_default();
             let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-            (true, value["task_id"].as_str().map(str::to_owned))
+            (202, value["task_id"].as_str().map(str::to_owned))
         }
-        _ => (false, None),
+        Ok(mut response) => {
+            let _ = response.body_mut().read_to_vec();
+            (response.status().as_u16(), None)
+        }
+        Err(_) => (0, None),
     }
 }
 
@@ -115,8 +121,9 @@ pub fn drive(target: &Target, pace: &Pace, seconds: f64, limit: u64, workers: us
                             unix_us()
                         }
                     };
-                    let (accepted, task_id) = submit(&agent, &target, index);
-                    out.push(Submission { index, task_id, due_us, answered_us: unix_us(), accepted });
+                    let (status, task_id) = submit(&agent, &target, index);
+                    let accepted = status == 202;
+                    out.push(Submission { index, task_id, due_us, answered_us: unix_us(), accepted, status });
                 }
             })
         })

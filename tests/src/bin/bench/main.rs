@@ -4,7 +4,7 @@
 //! and the medians, writes every figure as JSON and an SVG chart into
 //! `BENCH_OUT` (default `bench-results/<time>/`). Scenarios (`BENCH_SCENARIOS`,
 //! comma-separated, default all): `throughput`, `loads`, `executors`, `peer`,
-//! `tickets`, `backlog`. Run through `deploy/local/stack bench`; the settings are
+//! `tickets`, `backlog`, `admission`. Run through `deploy/local/stack bench`; the settings are
 //! listed in docs/performance.md. `bench chart FILE.json` draws the chart of
 //! figures written before.
 
@@ -108,7 +108,7 @@ async fn main() {
     });
     std::fs::create_dir_all(&out).expect("the results folder");
     let wanted: Vec<String> = std::env::var("BENCH_SCENARIOS")
-        .unwrap_or_else(|_| "throughput,loads,executors,peer,tickets,backlog".into())
+        .unwrap_or_else(|_| "throughput,loads,executors,peer,tickets,backlog,admission".into())
         .split(',')
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
@@ -133,8 +133,11 @@ async fn main() {
             "peer" => scenarios::peer(&settings).await,
             "tickets" => scenarios::tickets(&settings).await,
             "backlog" => scenarios::backlog(&settings).await,
+            "admission" => scenarios::admission(&settings).await,
             other => {
-                println!("unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog");
+                println!(
+                    "unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog, admission"
+                );
                 continue;
             }
         };

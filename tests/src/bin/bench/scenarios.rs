@@ -41,6 +41,10 @@ pub struct Settings {
     pub backlog_waiting: u64,
     pub backlog_finished: u64,
     pub backlog_seconds: u64,
+    pub admission_rate: u64,
+    pub admission_burst: u64,
+    pub admission_offered: u64,
+    pub admission_seconds: u64,
 }
 
 impl Settings {
@@ -63,6 +67,10 @@ impl Settings {
             backlog_waiting: setting("BENCH_BACKLOG_WAITING", 10_000),
             backlog_finished: setting("BENCH_BACKLOG_FINISHED", 100_000),
             backlog_seconds: setting("BENCH_BACKLOG_SECONDS", 20).max(4),
+            admission_rate: setting("BENCH_ADMISSION_RATE", 100).max(1),
+            admission_burst: setting("BENCH_ADMISSION_BURST", 100).max(1),
+            admission_offered: setting("BENCH_ADMISSION_OFFERED", 400).max(1),
+            admission_seconds: setting("BENCH_ADMISSION_SECONDS", 10).max(2),
         }
     }
 
@@ -77,6 +85,8 @@ impl Settings {
             "BENCH_TICKET_PROVIDER_PER_SECOND": self.ticket_provider_per_second,
             "BENCH_BACKLOG_WAITING": self.backlog_waiting, "BENCH_BACKLOG_FINISHED": self.backlog_finished,
             "BENCH_BACKLOG_SECONDS": self.backlog_seconds,
+            "BENCH_ADMISSION_RATE": self.admission_rate, "BENCH_ADMISSION_BURST": self.admission_burst,
+            "BENCH_ADMISSION_OFFERED": self.admission_offered, "BENCH_ADMISSION_SECONDS": self.admission_seconds,
         })
     }
 }
@@ -99,8 +109,28 @@ struct Bench {
     databases: HashMap<&'static str, (String, sqlx::PgPool)>,
 }
 
+/// Intake's admission settings in the scenarios that measure the rest of the
+/// system: no tenant rate the offered load could reach.
+fn unlimited_admission() -> Vec<(&'static str, String)> {
+    vec![
+        ("FENCELINE_INTAKE_TENANT_RATE_PER_SECOND", "1000000".into()),
+        ("FENCELINE_INTAKE_TENANT_BURST", "1000000".into()),
+        ("FENCELINE_INTAKE_MAX_IN_FLIGHT", "100000".into()),
+    ]
+}
+
 impl Bench {
     async fn start(executors: u64, caps: Caps, limits: (u32, f64)) -> Self {
+        Self::start_admitting(executors, caps, limits, unlimited_admission()).await
+    }
+
+    /// As [`Bench::start`], with intake's admission settings `admission`.
+    async fn start_admitting(
+        executors: u64,
+        caps: Caps,
+        limits: (u32, f64),
+        admission: Vec<(&'static str, String)>,
+    ) -> Self {
         let mut system = System::new(&[(PROVIDER, caps)]).await;
         system.set_kinds(json!({
             ONE_STEP: {"steps": [{"name": "render", "provider": PROVIDER}],
@@ -139,13 +169,9 @@ impl Bench {
             databases.insert(service, (name, pool));
         }
         let url_of = |service: &str| ("FENCELINE_DATABASE_URL", format!("{server}/{}", databases[service].0));
-        system
-            .spawn(
-                "intake",
-                "intake",
-                &[url_of("intake"), ("FENCELINE_INTAKE_KINDS", format!("{ONE_STEP},{THREE_STEP}"))],
-            )
-            .await;
+        let mut intake = vec![url_of("intake"), ("FENCELINE_INTAKE_KINDS", format!("{ONE_STEP},{THREE_STEP}"))];
+        intake.extend(admission);
+        system.spawn("intake", "intake", &intake).await;
         system.spawn("scheduler", "scheduler", &[url_of("scheduler")]).await;
         system.spawn("reconciler", "reconciler", &[url_of("reconciler")]).await;
         for n in 1..=executors {
@@ -805,4 +831,90 @@ async fn copy_rows(pool: &sqlx::PgPool, schema: &str, table: &str, templates: &[
         Ok(done) => json!(done.rows_affected()),
         Err(e) => json!(format!("not copied: {e}")),
     }
+}
+
+/// Load above a tenant's admitted rate: `BENCH_ADMISSION_OFFERED` submissions a
+/// second (open loop) for `BENCH_ADMISSION_SECONDS` against intake limiting the
+/// tenant to `BENCH_ADMISSION_RATE` a second with a bucket of
+/// `BENCH_ADMISSION_BURST`. Counts what was admitted, refused (`429`, `503`) and
+/// failed (`5xx`, no answer), the answer latency of each, and whether every
+/// admitted task succeeded.
+pub async fn admission(settings: &Settings) -> Value {
+    let mut runs = Vec::new();
+    for run in 1..=settings.runs {
+        let limits = vec![
+            ("FENCELINE_INTAKE_TENANT_RATE_PER_SECOND", settings.admission_rate.to_string()),
+            ("FENCELINE_INTAKE_TENANT_BURST", settings.admission_burst.to_string()),
+        ];
+        let bench = Bench::start_admitting(1, Caps::default(), (1_000_000, 1_000_000.0), limits).await;
+        let target = bench.target(ONE_STEP);
+        let pace = Pace::Open { rate: settings.admission_offered as f64 };
+        let clients = (settings.admission_offered as f64 / 10.0).clamp(4.0, settings.clients as f64) as usize;
+        let seconds = settings.admission_seconds as f64;
+        let submissions =
+            tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds, u64::MAX, clients))
+                .await
+                .unwrap_or_default();
+        let latency = |wanted: &dyn Fn(u16) -> bool| {
+            percentiles(
+                submissions
+                    .iter()
+                    .filter(|s| wanted(s.status))
+                    .map(|s| (s.answered_us - s.due_us) as f64 / 1e3)
+                    .collect(),
+            )
+        };
+        let count = |wanted: &dyn Fn(u16) -> bool| submissions.iter().filter(|s| wanted(s.status)).count();
+        let admitted = count(&|s| s == 202);
+        let ids: Vec<String> = submissions.iter().filter_map(|s| s.task_id.clone()).collect();
+        // Every admitted task runs to the end.
+        let drain_until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds);
+        let mut succeeded = 0;
+        while tokio::time::Instant::now() < drain_until {
+            let done = probe::succeeded(bench.pool("intake")).await;
+            succeeded = ids.iter().filter(|id| done.contains_key(*id)).count();
+            if succeeded == ids.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let figures = json!({
+            "offered": submissions.len(),
+            "offered_per_s": round(submissions.len() as f64 / seconds, 1),
+            "admitted": admitted,
+            "admitted_per_s": round(admitted as f64 / seconds, 1),
+            "refused_429": count(&|s| s == 429),
+            "refused_503": count(&|s| s == 503),
+            "server_errors_5xx": count(&|s| s >= 500 && s != 503),
+            "no_answer": count(&|s| s == 0),
+            "other": count(&|s| s != 0 && s != 202 && s != 429 && s < 500),
+            "admitted_succeeded": succeeded,
+            "latency_ms": {"admitted": latency(&|s| s == 202), "refused": latency(&|s| s == 429 || s == 503)},
+            "load_average": crate::load_average(),
+        });
+        let l = &figures["latency_ms"];
+        println!(
+            "  run {run}: offered {} ({}/s), admitted {} ({}/s), refused 429 {} 503 {}, 5xx {}, no answer {}, \
+             admitted p50/p99/p99.9 {}/{}/{} ms, refused p50/p99 {}/{} ms, admitted tasks succeeded {}/{}",
+            figures["offered"],
+            figures["offered_per_s"],
+            admitted,
+            figures["admitted_per_s"],
+            figures["refused_429"],
+            figures["refused_503"],
+            figures["server_errors_5xx"],
+            figures["no_answer"],
+            l["admitted"]["p50"],
+            l["admitted"]["p99"],
+            l["admitted"]["p99_9"],
+            l["refused"]["p50"],
+            l["refused"]["p99"],
+            succeeded,
+            admitted,
+        );
+        runs.push(figures);
+    }
+    let median = median_of(&runs);
+    println!("  median: {median}");
+    json!({"median": median, "runs": runs})
 }

@@ -57,7 +57,7 @@ pub async fn fresh_database() -> String {
 
 /// Postgres settings for a service schema in `url`.
 pub fn postgres(url: &str, schema: &str) -> PostgresConfig {
-    PostgresConfig { database_url: url.to_owned(), schema: Some(schema.to_owned()), max_connections: 8 }
+    PostgresConfig::at(url, Some(schema), 8)
 }
 
 /// Kafka settings for tests: a topic prefix of the test's own, short group timeouts

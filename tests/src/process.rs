@@ -175,6 +175,16 @@ pub struct OwnPostgres {
 
 impl OwnPostgres {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// As [`OwnPostgres::start`], serving TLS (`ssl=on`) with this certificate and
+    /// key (PEM); connections without TLS are still accepted.
+    pub async fn start_tls(certificate_pem: &str, key_pem: &str) -> Self {
+        Self::start_with(Some((certificate_pem, key_pem))).await
+    }
+
+    async fn start_with(tls: Option<(&str, &str)>) -> Self {
         let scratch =
             std::env::var("FENCELINE_TEST_SCRATCH").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
         let dir = std::path::Path::new(&scratch).join(format!("pg-{}", uuid::Uuid::now_v7().simple()));
@@ -186,22 +196,26 @@ impl OwnPostgres {
             assert!(status.is_ok_and(|s| s.success()), "chown the postgres folder");
         }
         let socket = postgres.dir.display().to_string();
-        let options = format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c max_connections=200", postgres.port);
+        let mut options =
+            format!("-p {} -k {socket} -c listen_addresses=127.0.0.1 -c max_connections=200", postgres.port);
         let log = postgres.dir.join("postgres.log").display().to_string();
-        let steps = [
-            vec!["initdb", "-D", &data, "-U", "fenceline", "--auth=trust", "--encoding=UTF8", "--no-instructions"],
-            vec!["pg_ctl", "-D", &data, "-l", &log, "-w", "-t", "60", "-o", &options, "start"],
-        ];
-        for step in steps {
-            let step: Vec<String> = step.into_iter().map(str::to_owned).collect();
-            let status = tokio::task::spawn_blocking(move || {
-                let args: Vec<&str> = step.iter().map(String::as_str).collect();
-                (args[0].to_owned(), pg_command(&args).stdout(std::process::Stdio::null()).status())
-            })
-            .await
-            .expect("pg thread");
-            assert!(status.1.as_ref().is_ok_and(|s| s.success()), "{} failed: {:?}", status.0, status.1);
+        let initdb = ["initdb", "-D", &data, "-U", "fenceline", "--auth=trust", "--encoding=UTF8", "--no-instructions"];
+        postgres.run(&initdb).await;
+        if let Some((certificate, key)) = tls {
+            // The server reads them as its own user, the key readable by it alone.
+            for (name, text) in [("server.crt", certificate), ("server.key", key)] {
+                let path = postgres.data().join(name);
+                std::fs::write(&path, text).expect("write a TLS file");
+                let mode = std::os::unix::fs::PermissionsExt::from_mode(0o600);
+                std::fs::set_permissions(&path, mode).expect("TLS file mode");
+                if running_as_root() {
+                    let status = Command::new("chown").args(["postgres:", &path.display().to_string()]).status();
+                    assert!(status.is_ok_and(|s| s.success()), "chown {name}");
+                }
+            }
+            options.push_str(" -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key");
         }
+        postgres.run(&["pg_ctl", "-D", &data, "-l", &log, "-w", "-t", "60", "-o", &options, "start"]).await;
         let admin = sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
             .connect(&format!("postgres://fenceline@127.0.0.1:{}/postgres", postgres.port))
@@ -210,6 +224,18 @@ impl OwnPostgres {
         sqlx::query("CREATE DATABASE fenceline").execute(&admin).await.expect("create database");
         admin.close().await;
         postgres
+    }
+
+    /// Runs a Postgres program to its end; panics if it fails.
+    async fn run(&self, step: &[&str]) {
+        let step: Vec<String> = step.iter().map(|s| (*s).to_owned()).collect();
+        let status = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = step.iter().map(String::as_str).collect();
+            (args[0].to_owned(), pg_command(&args).stdout(std::process::Stdio::null()).status())
+        })
+        .await
+        .expect("pg thread");
+        assert!(status.1.as_ref().is_ok_and(|s| s.success()), "{} failed: {:?}", status.0, status.1);
     }
 
     fn data(&self) -> std::path::PathBuf {

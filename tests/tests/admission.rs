@@ -36,7 +36,11 @@ fn submit(agent: &ureq::Agent, intake: &str, token: &str, key: &str, body: Strin
 }
 
 fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().new_agent()
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .new_agent()
 }
 
 fn image(n: usize) -> String {
@@ -166,15 +170,17 @@ async fn past_the_in_flight_cap_a_request_is_refused_at_once_and_a_huge_body_is_
     // One request held in flight: its body is announced and sent only in part.
     let head = head.replace("1073741824", "200").replace("huge", "slow");
     let (addr_slow, head_slow) = (addr.clone(), head.clone());
-    let slow =
-        tokio::task::spawn_blocking(move || raw_request(&addr_slow, &format!("{head_slow}{{\"kind\":"), Duration::from_secs(10)))
-            .await
-            .expect("client");
+    let slow = tokio::task::spawn_blocking(move || {
+        raw_request(&addr_slow, &format!("{head_slow}{{\"kind\":"), Duration::from_secs(10))
+    })
+    .await
+    .expect("client");
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let (url, token_now) = (intake.clone(), token.clone());
-    let refused =
-        tokio::task::spawn_blocking(move || submit(&agent(), &url, &token_now, "second", image(1))).await.expect("client");
+    let refused = tokio::task::spawn_blocking(move || submit(&agent(), &url, &token_now, "second", image(1)))
+        .await
+        .expect("client");
     assert_eq!(refused.status, 503, "{refused:?}");
     assert_eq!(refused.content_type, "application/problem+json");
     assert_eq!(refused.body["type"], "/problems/overloaded");

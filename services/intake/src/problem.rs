@@ -36,7 +36,10 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error("tenant {tenant} is over its request rate; retry after {} s", retry_after_seconds(*.retry_after))]
     TooManyRequests { tenant: String, retry_after: std::time::Duration },
-    #[error("intake is serving as many requests as it may at once; retry after {} s", retry_after_seconds(crate::admission::OVERLOADED_RETRY_AFTER))]
+    #[error(
+        "intake is serving as many requests as it may at once; retry after {} s",
+        retry_after_seconds(crate::admission::OVERLOADED_RETRY_AFTER)
+    )]
     Overloaded,
     #[error("internal error; it was logged")]
     Internal(#[from] sqlx::Error),
@@ -133,7 +136,6 @@ impl ResponseError for ApiError {
             ApiError::Internal(_) | ApiError::Bus(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
-
 
     fn error_response(&self) -> HttpResponse {
         if let ApiError::Internal(e) = self {

@@ -7,6 +7,7 @@
 //! delivery becomes a task of the source's kind, once per event id, and is
 //! answered at once.
 
+use fenceline_config::{ExposeSecret, Secret};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
@@ -74,7 +75,7 @@ fn mac_of(secret: &[u8], timestamp: &str, event_id: &EventId, body: &[u8]) -> Op
 /// `v2=` signatures an HMAC-SHA256 of `"{timestamp}.{event_id}.{body}"` under one
 /// of `secrets`, compared in constant time. Returns the verified event id.
 pub fn verify(
-    secrets: &[Vec<u8>],
+    secrets: &[Secret],
     timestamp: Option<&str>,
     event_id: Option<&str>,
     signature: Option<&str>,
@@ -101,7 +102,7 @@ pub fn verify(
     }
     for secret in secrets {
         for candidate in &candidates {
-            let Some(mac) = mac_of(secret, timestamp, &event_id, body) else { continue };
+            let Some(mac) = mac_of(secret.expose_secret().as_bytes(), timestamp, &event_id, body) else { continue };
             if mac.verify_slice(candidate).is_ok() {
                 return Ok(event_id);
             }
@@ -122,7 +123,8 @@ pub fn sign(secret: &[u8], timestamp: i64, event_id: &EventId, body: &[u8]) -> S
 pub struct Source {
     pub tenant: Tenant,
     pub kind: String,
-    pub secrets: Vec<Vec<u8>>,
+    /// Never printed: its `Debug` says `[REDACTED]`.
+    pub secrets: Vec<Secret>,
     /// A JSON pointer into the body naming the business id (a ticket id) that a
     /// delivery is deduplicated by, whatever its event id: a sender that gives each
     /// retry a new event id still makes one task. `None`: by event id.
@@ -178,7 +180,7 @@ pub async fn source(pool: &PgPool, name: &str) -> Result<Option<Source>, sqlx::E
             .bind(name)
             .fetch_all(pool)
             .await?;
-    Ok(Some(Source { tenant, kind, secrets: secrets.into_iter().map(String::into_bytes).collect(), dedupe_field }))
+    Ok(Some(Source { tenant, kind, secrets: secrets.into_iter().map(Secret::from).collect(), dedupe_field }))
 }
 
 /// Adds (or re-points) a source and gives it a new secret; keeps at most two
@@ -223,8 +225,8 @@ mod tests {
 
     const NOW: i64 = 1_767_225_600;
 
-    fn secrets() -> Vec<Vec<u8>> {
-        vec![b"old-secret".to_vec(), b"new-secret".to_vec()]
+    fn secrets() -> Vec<Secret> {
+        vec![Secret::from("old-secret".to_owned()), Secret::from("new-secret".to_owned())]
     }
 
     fn id(raw: &str) -> EventId {
@@ -238,7 +240,7 @@ mod tests {
     #[test]
     fn a_signature_under_either_active_secret_is_accepted() {
         for secret in secrets() {
-            let sig = sign(&secret, NOW, &id("evt-1"), b"{}");
+            let sig = sign(secret.expose_secret().as_bytes(), NOW, &id("evt-1"), b"{}");
             assert_eq!(check("evt-1", &sig, b"{}", NOW), Ok(id("evt-1")));
         }
         let both = format!("{},{}", sign(b"retired", NOW, &id("e"), b"{}"), sign(b"new-secret", NOW, &id("e"), b"{}"));
@@ -293,6 +295,18 @@ mod tests {
         assert_eq!(check("evt-1", &old, b"{}", NOW), Err(SignatureError::OldScheme));
         // Relabelled v2, it still does not match: the event id is not in it.
         assert_eq!(check("evt-1", &old.replacen("v1=", "v2=", 1), b"{}", NOW), Err(SignatureError::NoMatch));
+    }
+
+    #[test]
+    fn a_source_never_prints_its_secrets() {
+        let source = Source {
+            tenant: Tenant::parse("acme").expect("tenant"),
+            kind: "ticket.triage".into(),
+            secrets: vec![Secret::from("whsec_known_5c1d".to_owned())],
+            dedupe_field: None,
+        };
+        let printed = format!("{source:?}");
+        assert!(printed.contains("acme") && !printed.contains("whsec_known_5c1d"), "{printed}");
     }
 
     #[test]

@@ -19,9 +19,24 @@ pub struct Error(pub String);
 #[derive(Debug, Clone, Args)]
 pub struct PostgresConfig {
     /// Postgres connection URL. The service keeps its tables in its own schema of
-    /// this database. It may hold a password, so `--help` never shows its value.
-    #[arg(long = "database-url", env = "FENCELINE_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    /// this database. It may hold a password, so it is never printed. `sslmode`
+    /// (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`) and
+    /// `sslrootcert` (a PEM file of CA certificates; the system's roots otherwise)
+    /// set TLS.
+    #[arg(
+        long = "database-url",
+        env = "FENCELINE_DATABASE_URL",
+        hide_env_values = true,
+        value_parser = parse_secret,
+        required_unless_present = "database_url_file",
+        conflicts_with = "database_url_file"
+    )]
+    pub database_url: Option<Secret>,
+
+    /// A file holding the Postgres connection URL (its trailing newline is
+    /// dropped), as a mounted Secret.
+    #[arg(long = "database-url-file", env = "FENCELINE_DATABASE_URL_FILE", value_parser = read_secret_file)]
+    pub database_url_file: Option<Secret>,
 
     /// Schema that holds this service's tables (default: the service's name).
     #[arg(long = "database-schema", env = "FENCELINE_DATABASE_SCHEMA")]
@@ -30,6 +45,26 @@ pub struct PostgresConfig {
     /// Largest number of pooled connections.
     #[arg(long = "database-max-connections", env = "FENCELINE_DATABASE_MAX_CONNECTIONS", default_value_t = 10)]
     pub max_connections: u32,
+}
+
+impl PostgresConfig {
+    /// Settings for the database at `url`, with the other values at their defaults.
+    pub fn at(url: &str, schema: Option<&str>, max_connections: u32) -> Self {
+        Self {
+            database_url: Some(Secret::from(url.to_owned())),
+            database_url_file: None,
+            schema: schema.map(str::to_owned),
+            max_connections,
+        }
+    }
+
+    /// The connection URL, from the variable or the file.
+    pub fn database_url(&self) -> Result<&Secret, Error> {
+        self.database_url
+            .as_ref()
+            .or(self.database_url_file.as_ref())
+            .ok_or_else(|| Error("FENCELINE_DATABASE_URL or FENCELINE_DATABASE_URL_FILE is required".into()))
+    }
 }
 
 /// How to reach Kafka, and the names of the topics.
@@ -124,8 +159,12 @@ pub struct KafkaSecurity {
     pub ssl_key_location: Option<PathBuf>,
 
     /// The private key's password, if it has one. Never printed.
-    #[arg(long = "kafka-ssl-key-password", env = "FENCELINE_KAFKA_SSL_KEY_PASSWORD", hide_env_values = true, value_parser = parse_secret)]
+    #[arg(long = "kafka-ssl-key-password", env = "FENCELINE_KAFKA_SSL_KEY_PASSWORD", hide_env_values = true, value_parser = parse_secret, conflicts_with = "ssl_key_password_file")]
     pub ssl_key_password: Option<Secret>,
+
+    /// A file holding the private key's password (its trailing newline is dropped).
+    #[arg(long = "kafka-ssl-key-password-file", env = "FENCELINE_KAFKA_SSL_KEY_PASSWORD_FILE", value_parser = read_secret_file)]
+    pub ssl_key_password_file: Option<Secret>,
 }
 
 /// librdkafka's `security.protocol`.
@@ -188,6 +227,11 @@ impl KafkaSecurity {
         self.sasl_password.as_ref().or(self.sasl_password_file.as_ref())
     }
 
+    /// The client key's password, from the variable or the file.
+    pub fn ssl_key_password(&self) -> Option<&Secret> {
+        self.ssl_key_password.as_ref().or(self.ssl_key_password_file.as_ref())
+    }
+
     /// The librdkafka settings these stand for. Values of secrets are exposed here
     /// only, to be handed to the client.
     pub fn client_settings(&self) -> Vec<(&'static str, String)> {
@@ -211,7 +255,7 @@ impl KafkaSecurity {
                 out.push((key, path.display().to_string()));
             }
         }
-        if let Some(password) = &self.ssl_key_password {
+        if let Some(password) = self.ssl_key_password() {
             out.push(("ssl.key.password", password.expose_secret().to_owned()));
         }
         out
@@ -238,7 +282,7 @@ impl KafkaSecurity {
         let tls_files = self.ssl_ca_location.is_some()
             || self.ssl_certificate_location.is_some()
             || self.ssl_key_location.is_some()
-            || self.ssl_key_password.is_some();
+            || self.ssl_key_password().is_some();
         if tls_files && !self.protocol.tls() {
             return Err(Error(format!("TLS files are given but the security protocol is {protocol}")));
         }
@@ -255,13 +299,34 @@ impl KafkaSecurity {
 pub type Secret = secrecy::SecretString;
 pub use secrecy::ExposeSecret;
 
-fn parse_secret(raw: &str) -> Result<Secret, String> {
+/// A secret given as a value (a flag or a variable).
+pub fn parse_secret(raw: &str) -> Result<Secret, String> {
     Ok(Secret::from(raw.to_owned()))
 }
 
-fn read_secret_file(path: &str) -> Result<Secret, String> {
+/// A secret read from the file at `path`, as Kubernetes mounts a Secret: the whole
+/// file less its trailing newline. The error names the file, never its content.
+pub fn read_secret_file(path: &str) -> Result<Secret, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
     Ok(Secret::from(text.trim_end_matches(['\n', '\r']).to_owned()))
+}
+
+/// The secret in the environment variable `name`, or in the file that `name`
+/// followed by `_FILE` names; `Ok(None)` when neither is set. Both set is an error,
+/// as is an unreadable file.
+pub fn secret_from_env(name: &str) -> Result<Option<Secret>, Error> {
+    secret_from(name, std::env::var(name).ok(), std::env::var(format!("{name}_FILE")).ok())
+}
+
+/// [`secret_from_env`] of the values the variable and its `_FILE` variant hold.
+fn secret_from(name: &str, value: Option<String>, file: Option<String>) -> Result<Option<Secret>, Error> {
+    let file_var = format!("{name}_FILE");
+    match (value, file) {
+        (Some(_), Some(_)) => Err(Error(format!("set {name} or {file_var}, not both"))),
+        (Some(value), None) => Ok(Some(Secret::from(value))),
+        (None, Some(path)) => read_secret_file(&path).map(Some).map_err(|e| Error(format!("{file_var}: {e}"))),
+        (None, None) => Ok(None),
+    }
 }
 
 /// librdkafka properties that `FENCELINE_KAFKA_PROPERTIES` may not set: Fenceline's
@@ -451,6 +516,95 @@ mod tests {
         let settings = parsed.service.kafka.security.client_settings();
         assert!(settings.contains(&("sasl.password", "hunter2".to_owned())));
         assert!(settings.contains(&("sasl.mechanism", "SCRAM-SHA-512".to_owned())));
+    }
+
+    /// A folder of one test's own, removed when dropped.
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("fenceline-config-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("scratch folder");
+            Self(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn the_database_url_comes_from_the_variable_or_a_file_and_never_prints() {
+        use clap::Parser;
+        let url = "postgres://fenceline:db-pass-7f3a@db.example:5432/fenceline?sslmode=verify-full";
+        let parsed = Service::try_parse_from(["svc", "--database-url", url]).expect("parses");
+        assert_eq!(parsed.service.postgres.database_url().expect("url").expose_secret(), url);
+        let printed = format!("{parsed:?}");
+        assert!(!printed.contains("db-pass-7f3a") && !printed.contains("db.example"), "{printed}");
+
+        let dir = Scratch::new("url");
+        let file = dir.0.join("url");
+        std::fs::write(&file, format!("{url}\n")).expect("write");
+        let path = file.display().to_string();
+        let parsed = Service::try_parse_from(["svc", "--database-url-file", &path]).expect("parses");
+        assert_eq!(parsed.service.postgres.database_url().expect("url").expose_secret(), url, "newline dropped");
+        assert!(!format!("{parsed:?}").contains("db-pass-7f3a"));
+        assert!(Service::try_parse_from(["svc"]).is_err(), "one of the two is required");
+        assert!(Service::try_parse_from(["svc", "--database-url", url, "--database-url-file", &path]).is_err());
+        let missing = Service::try_parse_from(["svc", "--database-url-file", "/nonexistent/url"]).expect_err("no file");
+        assert!(missing.to_string().contains("/nonexistent/url"), "{missing}");
+    }
+
+    #[test]
+    fn a_named_secret_comes_from_its_variable_or_the_file_its_file_variant_names() {
+        let dir = Scratch::new("named");
+        let file = dir.0.join("credential");
+        std::fs::write(&file, "Bearer sk-file-6b1e\n").expect("write");
+        let path = file.display().to_string();
+        let read = |value: Option<&str>, file: Option<&str>| {
+            secret_from("FENCELINE_X", value.map(str::to_owned), file.map(str::to_owned))
+                .map(|s| s.map(|s| s.expose_secret().to_owned()))
+        };
+        assert_eq!(read(Some("Bearer v"), None).expect("value").as_deref(), Some("Bearer v"));
+        assert_eq!(read(None, Some(&path)).expect("file").as_deref(), Some("Bearer sk-file-6b1e"));
+        assert_eq!(read(None, None).expect("neither"), None);
+        let both = read(Some("Bearer v"), Some(&path)).expect_err("both");
+        assert!(both.to_string().contains("FENCELINE_X_FILE") && !both.to_string().contains("Bearer"), "{both}");
+        let missing = read(None, Some("/nonexistent/credential")).expect_err("no file");
+        assert!(missing.to_string().contains("/nonexistent/credential"), "{missing}");
+    }
+
+    #[test]
+    fn every_kafka_secret_may_come_from_a_file_and_none_prints() {
+        use clap::Parser;
+        let dir = Scratch::new("kafka");
+        let (password, key_password) = (dir.0.join("sasl"), dir.0.join("key"));
+        std::fs::write(&password, "sasl-pass-91c2\n").expect("write");
+        std::fs::write(&key_password, "key-pass-44d0").expect("write");
+        let parsed = Service::try_parse_from([
+            "svc",
+            "--database-url",
+            "postgres://x/y",
+            "--kafka-security-protocol",
+            "sasl_ssl",
+            "--kafka-sasl-mechanism",
+            "PLAIN",
+            "--kafka-sasl-username",
+            "u",
+            "--kafka-sasl-password-file",
+            &password.display().to_string(),
+            "--kafka-ssl-key-password-file",
+            &key_password.display().to_string(),
+        ])
+        .expect("parses");
+        assert!(parsed.service.validate().is_ok());
+        let printed = format!("{parsed:?}");
+        assert!(!printed.contains("sasl-pass-91c2") && !printed.contains("key-pass-44d0"), "{printed}");
+        let settings = parsed.service.kafka.security.client_settings();
+        assert!(settings.contains(&("sasl.password", "sasl-pass-91c2".to_owned())));
+        assert!(settings.contains(&("ssl.key.password", "key-pass-44d0".to_owned())));
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub use tls::Error;
 use std::collections::HashMap;
 
 use fenceline_config::catalog::{Catalog, ProviderSpec};
+use fenceline_config::{ExposeSecret, Secret};
 use fenceline_domain::calls::{CallOutcome, ErrorTable, ProviderCapabilities};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -64,7 +65,8 @@ pub enum VerifyError {
 pub struct HttpProvider {
     pub name: String,
     base_url: String,
-    auth_header: Option<String>,
+    /// The `Authorization` header value: a credential, never printed.
+    auth_header: Option<Secret>,
     capabilities: ProviderCapabilities,
     errors: ErrorTable,
     agent: ureq::Agent,
@@ -82,9 +84,19 @@ const ARTIFACT_REDIRECTS: u32 = 5;
 
 impl HttpProvider {
     /// The adapter for a catalogue entry; the auth header is read from the
-    /// environment variable the entry names, and the TLS files it names are read
-    /// and checked now.
+    /// environment variable the entry names (or from the file its `_FILE` variant
+    /// names), and the TLS files it names are read and checked now.
     pub fn new(name: &str, spec: &ProviderSpec) -> Result<Self, Error> {
+        let credential = match &spec.auth_header_env {
+            Some(var) => fenceline_config::secret_from_env(var)
+                .map_err(|e| Error::Credential { provider: name.to_owned(), reason: e.to_string() })?,
+            None => None,
+        };
+        Self::with_credential(name, spec, credential)
+    }
+
+    /// As [`HttpProvider::new`], with the `Authorization` value given.
+    pub fn with_credential(name: &str, spec: &ProviderSpec, credential: Option<Secret>) -> Result<Self, Error> {
         let timeout = spec.call_timeout();
         let tls = tls::settings(name, &spec.tls)?;
         let config = |pooled: bool, redirects: u32| {
@@ -113,7 +125,7 @@ impl HttpProvider {
         Ok(Self {
             name: name.to_owned(),
             base_url: spec.base_url.trim_end_matches('/').to_owned(),
-            auth_header: spec.auth_header_env.as_ref().and_then(|var| std::env::var(var).ok()),
+            auth_header: credential,
             capabilities: spec.capabilities(),
             errors: spec.error_table(),
             agent,
@@ -186,7 +198,7 @@ impl HttpProvider {
                 request = request.header("Idempotency-Key", key.as_str());
             }
             if let Some(auth) = &this.auth_header {
-                request = request.header("Authorization", auth.as_str());
+                request = request.header("Authorization", auth.expose_secret());
             }
             if let Some(traceparent) = &traceparent {
                 request = request.header(TRACEPARENT, traceparent.as_str());
@@ -293,7 +305,7 @@ impl HttpProvider {
 
     fn with_auth<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
         match &self.auth_header {
-            Some(auth) => request.header("Authorization", auth.as_str()),
+            Some(auth) => request.header("Authorization", auth.expose_secret()),
             None => request,
         }
     }
@@ -396,6 +408,20 @@ fn outcome_of_error(e: &ureq::Error) -> CallOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_credential_never_prints() {
+        let spec: ProviderSpec = serde_json::from_value(serde_json::json!({
+            "base_url": "http://127.0.0.1:9", "auth_header_env": "FENCELINE_PROVIDER_IMG_AUTHORIZATION",
+            "capabilities": {}, "call_timeout_ms": 1000, "concurrency": 1, "rate_per_second": 1, "burst": 1
+        }))
+        .expect("spec");
+        let provider =
+            HttpProvider::with_credential("img", &spec, Some(Secret::from("Bearer sk-live-6b1e".to_owned())))
+                .expect("adapter");
+        let printed = format!("{provider:?}");
+        assert!(printed.contains("img") && !printed.contains("sk-live-6b1e"), "{printed}");
+    }
 
     #[test]
     fn credentials_go_only_to_the_providers_own_origin() {

@@ -10,7 +10,7 @@ use fenceline_config::catalog::ProviderTls;
 use rustls::AlertDescription;
 use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
 
-/// Why a provider's TLS settings could not be used.
+/// Why a provider's TLS settings or its credential could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("provider `{provider}`: reading {}: {source}", path.display())]
@@ -21,6 +21,8 @@ pub enum Error {
     Missing { provider: String, path: PathBuf, what: &'static str },
     #[error("provider `{provider}`: the client certificate and its key cannot be used together: {reason}")]
     ClientCertificate { provider: String, reason: String },
+    #[error("provider `{provider}`: its credential (auth_header_env): {reason}")]
+    Credential { provider: String, reason: String },
 }
 
 /// The TLS settings of one provider, ready for its agents, and how to name its

@@ -4,7 +4,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use fenceline_config::PostgresConfig;
+use fenceline_config::{ExposeSecret, PostgresConfig};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
@@ -13,10 +13,21 @@ use sqlx::{ConnectOptions, PgPool};
 pub enum Error {
     #[error("schema name `{0}` must be lower-case letters, digits and underscores, starting with a letter")]
     SchemaName(String),
+    #[error("{0}")]
+    Config(#[from] fenceline_config::Error),
     #[error("database URL is invalid: {0}")]
     Url(#[source] sqlx::Error),
     #[error("connecting to the database: {0}")]
     Connect(#[source] sqlx::Error),
+    #[error(
+        "connecting to the database over TLS (sslmode={mode}): {source}; the server's certificate is checked \
+         against the URL's sslrootcert, or the system's roots without it"
+    )]
+    Tls {
+        mode: &'static str,
+        #[source]
+        source: sqlx::Error,
+    },
     #[error("migrating schema {schema}: {source}")]
     Migrate {
         schema: String,
@@ -61,7 +72,7 @@ pub async fn connect(
     migrators: &[&Migrator],
 ) -> Result<Database, Error> {
     let schema = SchemaName::parse(config.schema.as_deref().unwrap_or(default_schema))?;
-    let base = PgConnectOptions::from_str(&config.database_url)
+    let base = PgConnectOptions::from_str(config.database_url()?.expose_secret())
         .map_err(Error::Url)?
         .log_statements(tracing::log::LevelFilter::Trace)
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
@@ -71,7 +82,7 @@ pub async fn connect(
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(base.clone())
             .await
-            .map_err(Error::Connect)?;
+            .map_err(|e| connect_error(&base, e))?;
         sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {}", schema.as_str()))
             .execute(&bootstrap)
             .await
@@ -91,6 +102,27 @@ pub async fn connect(
     }
     tracing::info!(schema = schema.as_str(), "database ready");
     Ok(Database { pool, options, schema })
+}
+
+/// A failed first connection; one that failed in the TLS handshake says which
+/// mode asked for it and what the certificate is checked against.
+fn connect_error(options: &PgConnectOptions, error: sqlx::Error) -> Error {
+    use sqlx::postgres::PgSslMode;
+    let mode = match options.get_ssl_mode() {
+        PgSslMode::Disable => "disable",
+        PgSslMode::Allow => "allow",
+        PgSslMode::Prefer => "prefer",
+        PgSslMode::Require => "require",
+        PgSslMode::VerifyCa => "verify-ca",
+        PgSslMode::VerifyFull => "verify-full",
+    };
+    // rustls reports a refused certificate as an I/O error of the handshake.
+    let in_handshake = match &error {
+        sqlx::Error::Tls(_) => true,
+        sqlx::Error::Io(io) => io.kind() == std::io::ErrorKind::InvalidData,
+        _ => false,
+    };
+    if in_handshake && mode != "disable" { Error::Tls { mode, source: error } } else { Error::Connect(error) }
 }
 
 fn clone_migrator(migrator: &Migrator) -> Migrator {

@@ -851,10 +851,9 @@ pub async fn admission(settings: &Settings) -> Value {
         let pace = Pace::Open { rate: settings.admission_offered as f64 };
         let clients = (settings.admission_offered as f64 / 10.0).clamp(4.0, settings.clients as f64) as usize;
         let seconds = settings.admission_seconds as f64;
-        let submissions =
-            tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds, u64::MAX, clients))
-                .await
-                .unwrap_or_default();
+        let submissions = tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds, u64::MAX, clients))
+            .await
+            .unwrap_or_default();
         let latency = |wanted: &dyn Fn(u16) -> bool| {
             percentiles(
                 submissions

@@ -1,9 +1,16 @@
-//! The reconciler's retention, against the real Postgres: rows of finished tasks go
-//! after the retention, in small batches; open tasks' rows stay however old.
+//! Every service's retention, against the real Postgres (and the real broker for
+//! the executor's view of task status): rows of finished tasks go after the
+//! retention, in small batches; open tasks' rows stay however old.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use fenceline_bus::OutboxWriter;
+use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
+use fenceline_events::{Event, Timestamp, topics};
 use fenceline_tests::*;
+use tokio_util::sync::CancellationToken;
 
 const DAY_US: i64 = 86_400_000_000;
 
@@ -92,4 +99,214 @@ async fn the_reconciler_purges_finished_tasks_past_their_retention_and_keeps_ope
     assert_eq!(rows_of(&pool, open_old).await, 4, "a task waiting for a person is never purged");
     assert_eq!(rows_of(&pool, recent).await, 4);
     assert_eq!(fenceline_reconciler::audit::purge_finished(&pool, thirty_days, 2).await.expect("again"), 0);
+}
+
+const THIRTY_DAYS: Duration = Duration::from_secs(30 * 86_400);
+
+async fn service_database(
+    url: &str,
+    name: &str,
+    migrator: &'static sqlx::migrate::Migrator,
+) -> fenceline_store::Database {
+    fenceline_store::connect(&postgres(url, name), name, &[&fenceline_bus::MIGRATOR, migrator]).await.expect("schema")
+}
+
+/// A scheduler task in `state`, last changed `age_days` ago, with a slot and an early request.
+async fn scheduler_task(pool: &sqlx::PgPool, state: &str, age_days: i32) -> uuid::Uuid {
+    let id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, updated_at) \
+         VALUES ($1, 'acme', 'image.generate', '{}', 1, '{}', $2, now() - make_interval(days => $3))",
+    )
+    .bind(id)
+    .bind(state)
+    .bind(age_days)
+    .execute(pool)
+    .await
+    .expect("task");
+    sqlx::query(
+        "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
+         VALUES ($1, $2, 'img', 'acme', 'image.generate', 0)",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .bind(id)
+    .execute(pool)
+    .await
+    .expect("slot");
+    sqlx::query("INSERT INTO early_requests (task_id, event_id, value) VALUES ($1, $2, '')")
+        .bind(id)
+        .bind(uuid::Uuid::now_v7())
+        .execute(pool)
+        .await
+        .expect("early request");
+    id
+}
+
+async fn count_rows(pool: &sqlx::PgPool, tables: &[&str], id: uuid::Uuid) -> i64 {
+    let mut total = 0;
+    for table in tables {
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE task_id = $1"))
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .expect("count");
+        total += n;
+    }
+    total
+}
+
+const SCHEDULER_TABLES: [&str; 3] = ["tasks", "slots", "early_requests"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open_ones() {
+    let url = fresh_database().await;
+    let pool = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await.pool;
+    let old = vec![
+        scheduler_task(&pool, "succeeded", 31).await,
+        scheduler_task(&pool, "failed", 40).await,
+        scheduler_task(&pool, "cancelled", 31).await,
+    ];
+    let mut kept = Vec::new();
+    for open in ["outcome_unknown", "needs_human", "waiting", "queued", "running"] {
+        kept.push(scheduler_task(&pool, open, 90).await);
+    }
+    kept.push(scheduler_task(&pool, "succeeded", 2).await);
+
+    let purged = fenceline_scheduler::retention::purge_finished_tasks(&pool, THIRTY_DAYS, 2).await.expect("purge");
+    assert_eq!(purged, 3, "the three finished over 30 days ago, two at a time");
+    for id in old {
+        assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 0, "every row of {id} went");
+    }
+    for id in kept {
+        assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 3, "an open or recent task keeps its rows");
+    }
+    assert_eq!(fenceline_scheduler::retention::purge_finished_tasks(&pool, THIRTY_DAYS, 2).await.expect("again"), 0);
+}
+
+const EXECUTOR_TABLES: [&str; 3] = ["executions", "checkpoints", "call_sequences"];
+
+/// An executed task in the executor's tables: one execution in `execution_status`,
+/// a checkpoint and a call sequence.
+async fn executed_task(pool: &sqlx::PgPool, execution_status: &str) -> TaskId {
+    let id = TaskId::new_v7();
+    sqlx::query(
+        "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, provider, \
+         lease_budget_ms, status) VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'img', 1000, $3)",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .bind(id.as_uuid())
+    .bind(execution_status)
+    .execute(pool)
+    .await
+    .expect("execution");
+    sqlx::query(
+        "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) VALUES ($1, 0, 'render', '{}', '', 1)",
+    )
+    .bind(id.as_uuid())
+    .execute(pool)
+    .await
+    .expect("checkpoint");
+    sqlx::query("INSERT INTO call_sequences (task_id, generation, step, seq) VALUES ($1, 0, 'render', 2)")
+        .bind(id.as_uuid())
+        .execute(pool)
+        .await
+        .expect("call sequence");
+    id
+}
+
+/// The scheduler's status of `task`: `state` at `version`, changed `age_days` ago.
+fn status(task: TaskId, state: TaskState, version: i64, age_days: i64) -> Event {
+    let Event::TaskStatus(mut s) = status_event(task, version) else { unreachable!("a status event") };
+    s.state = state;
+    s.updated_at = Timestamp(Timestamp::now().0 - age_days * DAY_US);
+    Event::TaskStatus(s)
+}
+
+/// The executor's status projection as the service runs it: its own consumer of
+/// the status topic, with its relay (where dead letters go).
+fn executor_status_consumer(
+    db: &fenceline_store::Database,
+    prefix: &str,
+    shutdown: &CancellationToken,
+) -> fenceline_bus::ConsumerHandle {
+    let writer = OutboxWriter::new(fenceline_executor::NAME, prefix, outbox_config().shards);
+    start_relay("executor-relay", db, &kafka(prefix), &writer, shutdown);
+    fenceline_bus::FencedConsumer::spawn(
+        fenceline_bus::ConsumerSpec {
+            group: fresh_group(),
+            topics: vec![topics::named(prefix, topics::STATUS)],
+            instance: "executor-status".into(),
+            drain_grace: Duration::from_secs(5),
+        },
+        &kafka(prefix),
+        &consumer_config(),
+        db.pool.clone(),
+        writer,
+        fenceline_executor::retention::StatusProjection,
+        shutdown.clone(),
+    )
+    .expect("consumer")
+}
+
+/// Waits until `stats` counts `applied` events applied (and fails the test if
+/// any was dead-lettered).
+async fn wait_consumed(stats: &fenceline_bus::ConsumerStats, applied: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while stats.applied.load(Ordering::Relaxed) < applied {
+        assert!(tokio::time::Instant::now() < deadline, "the status events were not all applied in 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0, "no status event is dead-lettered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention() {
+    let url = fresh_database().await;
+    let prefix = fresh_topics().await;
+    let executor = service_database(&url, fenceline_executor::NAME, &fenceline_executor::MIGRATOR).await;
+    let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
+    let pool = &executor.pool;
+
+    let finished_old = executed_task(pool, "succeeded").await;
+    let never_final = executed_task(pool, "lost").await;
+    let no_status = executed_task(pool, "failed").await;
+    let reopened = executed_task(pool, "released").await;
+    let finished_recent = executed_task(pool, "succeeded").await;
+    let still_running = executed_task(pool, "running").await;
+    let events = vec![
+        status(finished_old, TaskState::Running, 1, 45),
+        status(finished_old, TaskState::Succeeded, 2, 40),
+        status(never_final, TaskState::OutcomeUnknown, 3, 90),
+        status(reopened, TaskState::Failed, 4, 60),
+        status(reopened, TaskState::Queued, 5, 50),
+        // An earlier version arriving late changes nothing.
+        status(finished_old, TaskState::Running, 1, 45),
+        status(finished_recent, TaskState::Cancelled, 2, 3),
+        status(still_running, TaskState::Failed, 2, 60),
+    ];
+    let shutdown = CancellationToken::new();
+    let _guard = shutdown.clone().drop_guard();
+    let writer = OutboxWriter::new(fenceline_scheduler::NAME, &prefix, outbox_config().shards);
+    start_relay("scheduler-relay", &scheduler, &kafka(&prefix), &writer, &shutdown);
+    write_outbox(&scheduler.pool, &writer, topics::STATUS, &events, 1).await;
+    let consumer = executor_status_consumer(&executor, &prefix, &shutdown);
+    wait_consumed(&consumer.stats(), events.len() as u64).await;
+
+    let purged = fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, 1).await.expect("purge");
+    assert_eq!(purged, 1, "only the task final for over 30 days, with nothing left to run");
+    assert_eq!(
+        count_rows(pool, &EXECUTOR_TABLES, finished_old.as_uuid()).await,
+        0,
+        "every row of the finished task went"
+    );
+    assert_eq!(count_rows(pool, &["task_states"], finished_old.as_uuid()).await, 0);
+    for (kept, why) in [
+        (never_final, "a task waiting for a person keeps its call sequences however old"),
+        (no_status, "a task whose status never arrived keeps them"),
+        (reopened, "a task open again after a final status keeps them"),
+        (finished_recent, "a task final for less than the retention keeps them"),
+        (still_running, "a task with an execution still running keeps them"),
+    ] {
+        assert_eq!(count_rows(pool, &EXECUTOR_TABLES, kept.as_uuid()).await, 3, "{why}");
+    }
 }

@@ -4,6 +4,7 @@ mod call;
 mod clock;
 pub mod grants;
 mod record;
+pub mod retention;
 pub mod worker;
 
 use std::sync::Arc;
@@ -56,6 +57,20 @@ pub struct ExecutorSettings {
     /// How often an accepted asynchronous operation is polled, in milliseconds.
     #[arg(long = "poll-ms", env = "FENCELINE_EXECUTOR_POLL_MS", default_value_t = 250)]
     pub poll_ms: u64,
+
+    /// How long a task's executions, checkpoints and call sequences are kept after
+    /// its status became final (succeeded, failed, cancelled), in days. A task whose
+    /// status is not final keeps them however old (docs/decisions.md, entry 13).
+    #[arg(long = "task-retention-days", env = "FENCELINE_EXECUTOR_TASK_RETENTION_DAYS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub task_retention_days: u32,
+}
+
+impl ExecutorSettings {
+    /// The retention of finished tasks' rows.
+    pub fn task_retention(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(u64::from(self.task_retention_days) * 86_400)
+    }
 }
 
 /// Refuses a lease too short for a paid request to leave safely: just before a
@@ -95,6 +110,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
     let wake = Arc::new(tokio::sync::Notify::new());
     app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder::new(wake.clone(), settings.workers))?;
+    app.consume("status", &[topics::STATUS], retention::StatusProjection)?;
     let workers = worker::Workers {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),
@@ -110,5 +126,17 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         let shutdown = app.base.shutdown.child_token();
         app.base.spawn(workers.clone().run(index, shutdown));
     }
+    let pool = app.base.database.pool.clone();
+    let task_retention = settings.task_retention();
+    app.base.spawn_every(std::time::Duration::from_secs(300), move || {
+        let pool = pool.clone();
+        async move {
+            match retention::purge_finished_tasks(&pool, task_retention, 500).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
+            }
+        }
+    });
     Ok(app)
 }

@@ -3,6 +3,7 @@
 pub mod dispatcher;
 pub mod events;
 pub mod health;
+pub mod retention;
 pub mod tasks;
 
 use std::sync::Arc;
@@ -55,6 +56,20 @@ pub struct SchedulerSettings {
     #[arg(long = "grants-per-round", env = "FENCELINE_SCHEDULER_GRANTS_PER_ROUND", default_value_t = 32,
           value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub grants_per_round: i64,
+
+    /// How long a finished task (succeeded, failed, cancelled) is kept after its
+    /// last change, in days, before its rows are purged. Never shorter than
+    /// intake's `FENCELINE_INTAKE_TASK_RETENTION_DAYS` (docs/decisions.md, entry 13).
+    #[arg(long = "task-retention-days", env = "FENCELINE_SCHEDULER_TASK_RETENTION_DAYS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub task_retention_days: u32,
+}
+
+impl SchedulerSettings {
+    /// The retention of finished tasks.
+    pub fn task_retention(&self) -> Duration {
+        Duration::from_secs(u64::from(self.task_retention_days) * 86_400)
+    }
 }
 
 /// Builds the scheduler: connects and migrates its schema, starts its outbox relay,
@@ -66,6 +81,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             "backoff base must be positive and not above the cap".into(),
         )));
     }
+    let task_retention = config.scheduler.task_retention();
     let settings = Arc::new(config.scheduler);
     let mut app =
         ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
@@ -104,6 +120,17 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "purging early requests failed"),
+            }
+        }
+    });
+    let pool = app.base.database.pool.clone();
+    app.base.spawn_every(Duration::from_secs(300), move || {
+        let pool = pool.clone();
+        async move {
+            match retention::purge_finished_tasks(&pool, task_retention, 500).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
+                Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),
             }
         }
     });

@@ -1,0 +1,73 @@
+//! The executor's retention (docs/decisions.md, entry 13): a projection of each task's status, and the purge of finished tasks' rows.
+
+use std::time::Duration;
+
+use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_events::{Event, Timestamp};
+use sqlx::{PgConnection, PgPool};
+
+/// Keeps the latest status of each task from `fenceline.status`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StatusProjection;
+
+impl Handler for StatusProjection {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+        let Event::TaskStatus(s) = &record.envelope.event else {
+            return Err(HandleError::Poison(format!(
+                "the executor's status projection does not take {}",
+                record.envelope.event.event_type()
+            )));
+        };
+        // A later version replaces the state whatever it is, so a task that is open
+        // again is no longer eligible for the purge; an earlier one changes nothing.
+        sqlx::query(
+            "INSERT INTO task_states (task_id, state, version, updated_at_us) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, version = EXCLUDED.version, \
+             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
+        )
+        .bind(s.task_id.as_uuid())
+        .bind(s.state.as_str())
+        .bind(s.version)
+        .bind(s.updated_at.0)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Deletes the executor's rows of tasks whose latest status is final (`succeeded`,
+/// `failed`, `cancelled`) and older than `retention`: their executions,
+/// checkpoints, call sequences and status, `batch` tasks per transaction. Returns
+/// how many tasks went.
+///
+/// `call_sequences` decide the operation key of a step's next call and a
+/// `retry_as_new` reuses earlier generations' checkpoints, so a task that may run
+/// again keeps them however old: one with no final status here, or with an
+/// execution still ready or running, is never purged.
+pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+    let cutoff = Timestamp::now().0.saturating_sub(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX));
+    let mut purged = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        // FOR UPDATE: a status arriving meanwhile waits for this transaction, and
+        // then finds no row to reopen, only one to create.
+        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT s.task_id FROM task_states s WHERE s.state IN ('succeeded', 'failed', 'cancelled') \
+             AND s.updated_at_us < $1 AND NOT EXISTS (SELECT 1 FROM executions e \
+             WHERE e.task_id = s.task_id AND e.status IN ('ready', 'running')) \
+             ORDER BY s.updated_at_us LIMIT $2 FOR UPDATE OF s SKIP LOCKED",
+        )
+        .bind(cutoff)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+        for table in ["executions", "checkpoints", "call_sequences", "task_states"] {
+            sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        purged += ids.len() as u64;
+        if (ids.len() as i64) < batch {
+            return Ok(purged);
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! The scheduler's retention (docs/decisions.md, entry 13): tasks that finished long ago go, with every row they left.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// Deletes the scheduler's rows of tasks in a final state (`succeeded`, `failed`,
+/// `cancelled`) whose last change is older than `retention`: the task, its slots
+/// (a final task holds none, but a slot whose release was never heard may remain
+/// until it expires) and its early requests, `batch` tasks per transaction so no
+/// delete holds locks for long. Returns how many tasks went. A task waiting for a
+/// person (`outcome_unknown`, `needs_human`) or anything open is never purged.
+pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+    let retention_us = i64::try_from(retention.as_micros()).unwrap_or(i64::MAX);
+    let mut purged = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        // SKIP LOCKED: a task a consumer or the dispatcher holds is left for the next round.
+        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT task_id FROM tasks WHERE state IN ('succeeded', 'failed', 'cancelled') \
+             AND updated_at < now() - make_interval(secs => $1::double precision / 1e6) \
+             ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(retention_us)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+        for table in ["slots", "early_requests", "tasks"] {
+            sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        purged += ids.len() as u64;
+        if (ids.len() as i64) < batch {
+            return Ok(purged);
+        }
+    }
+}

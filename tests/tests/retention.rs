@@ -10,6 +10,7 @@ use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::TaskState;
 use fenceline_events::{Event, Timestamp, topics};
 use fenceline_tests::*;
+use rdkafka::message::Message;
 use tokio_util::sync::CancellationToken;
 
 const DAY_US: i64 = 86_400_000_000;
@@ -69,18 +70,7 @@ async fn task(pool: &sqlx::PgPool, state: &str, age_days: i64) -> uuid::Uuid {
     id
 }
 
-async fn rows_of(pool: &sqlx::PgPool, id: uuid::Uuid) -> i64 {
-    let mut total = 0;
-    for table in ["task_states", "grants", "calls", "cases"] {
-        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE task_id = $1"))
-            .bind(id)
-            .fetch_one(pool)
-            .await
-            .expect("count");
-        total += n;
-    }
-    total
-}
+const RECONCILER_TABLES: [&str; 4] = ["task_states", "grants", "calls", "cases"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reconciler_purges_finished_tasks_past_their_retention_and_keeps_open_ones() {
@@ -94,10 +84,10 @@ async fn the_reconciler_purges_finished_tasks_past_their_retention_and_keeps_ope
     let purged = fenceline_reconciler::audit::purge_finished(&pool, thirty_days, 2).await.expect("purge");
     assert_eq!(purged, 3, "the three finished over 30 days ago, two at a time");
     for id in old {
-        assert_eq!(rows_of(&pool, id).await, 0, "every row of {id} went");
+        assert_eq!(count_rows(&pool, &RECONCILER_TABLES, id).await, 0, "every row of {id} went");
     }
-    assert_eq!(rows_of(&pool, open_old).await, 4, "a task waiting for a person is never purged");
-    assert_eq!(rows_of(&pool, recent).await, 4);
+    assert_eq!(count_rows(&pool, &RECONCILER_TABLES, open_old).await, 4, "a task waiting for a person is never purged");
+    assert_eq!(count_rows(&pool, &RECONCILER_TABLES, recent).await, 4);
     assert_eq!(fenceline_reconciler::audit::purge_finished(&pool, thirty_days, 2).await.expect("again"), 0);
 }
 
@@ -157,6 +147,23 @@ async fn count_rows(pool: &sqlx::PgPool, tables: &[&str], id: uuid::Uuid) -> i64
 
 const SCHEDULER_TABLES: [&str; 3] = ["tasks", "slots", "early_requests"];
 
+/// Purges the scheduler's finished tasks past 30 days, `batch` per transaction.
+async fn scheduler_purge(pool: &sqlx::PgPool, prefix: &str, batch: i64) -> u64 {
+    let outbox = OutboxWriter::new(fenceline_scheduler::NAME, prefix, outbox_config().shards);
+    fenceline_scheduler::retention::purge_finished_tasks(pool, &outbox, THIRTY_DAYS, batch).await.expect("purge")
+}
+
+/// The tombstones waiting in `pool`'s outbox for the status key of `id`.
+async fn tombstones_in_outbox(pool: &sqlx::PgPool, id: uuid::Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE payload IS NULL AND record_key = $1 AND topic LIKE '%fenceline.status'",
+    )
+    .bind(id.to_string().into_bytes())
+    .fetch_one(pool)
+    .await
+    .expect("count tombstones")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open_ones() {
     let url = fresh_database().await;
@@ -172,15 +179,16 @@ async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open
     }
     kept.push(scheduler_task(&pool, "succeeded", 2).await);
 
-    let purged = fenceline_scheduler::retention::purge_finished_tasks(&pool, THIRTY_DAYS, 2).await.expect("purge");
-    assert_eq!(purged, 3, "the three finished over 30 days ago, two at a time");
+    assert_eq!(scheduler_purge(&pool, "", 2).await, 3, "the three finished over 30 days ago, two at a time");
     for id in old {
         assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 0, "every row of {id} went");
+        assert_eq!(tombstones_in_outbox(&pool, id).await, 1, "the purge of {id} tombstones its status key");
     }
     for id in kept {
         assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 3, "an open or recent task keeps its rows");
+        assert_eq!(tombstones_in_outbox(&pool, id).await, 0);
     }
-    assert_eq!(fenceline_scheduler::retention::purge_finished_tasks(&pool, THIRTY_DAYS, 2).await.expect("again"), 0);
+    assert_eq!(scheduler_purge(&pool, "", 2).await, 0);
 }
 
 const EXECUTOR_TABLES: [&str; 3] = ["executions", "checkpoints", "call_sequences"];
@@ -220,32 +228,6 @@ fn status(task: TaskId, state: TaskState, version: i64, age_days: i64) -> Event 
     s.state = state;
     s.updated_at = Timestamp(Timestamp::now().0 - age_days * DAY_US);
     Event::TaskStatus(s)
-}
-
-/// The executor's status projection as the service runs it: its own consumer of
-/// the status topic, with its relay (where dead letters go).
-fn executor_status_consumer(
-    db: &fenceline_store::Database,
-    prefix: &str,
-    shutdown: &CancellationToken,
-) -> fenceline_bus::ConsumerHandle {
-    let writer = OutboxWriter::new(fenceline_executor::NAME, prefix, outbox_config().shards);
-    start_relay("executor-relay", db, &kafka(prefix), &writer, shutdown);
-    fenceline_bus::FencedConsumer::spawn(
-        fenceline_bus::ConsumerSpec {
-            group: fresh_group(),
-            topics: vec![topics::named(prefix, topics::STATUS)],
-            instance: "executor-status".into(),
-            drain_grace: Duration::from_secs(5),
-        },
-        &kafka(prefix),
-        &consumer_config(),
-        db.pool.clone(),
-        writer,
-        fenceline_executor::retention::StatusProjection,
-        shutdown.clone(),
-    )
-    .expect("consumer")
 }
 
 /// Waits until `stats` counts `applied` events applied (and fails the test if
@@ -289,7 +271,7 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let writer = OutboxWriter::new(fenceline_scheduler::NAME, &prefix, outbox_config().shards);
     start_relay("scheduler-relay", &scheduler, &kafka(&prefix), &writer, &shutdown);
     write_outbox(&scheduler.pool, &writer, topics::STATUS, &events, 1).await;
-    let consumer = executor_status_consumer(&executor, &prefix, &shutdown);
+    let consumer = status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown);
     wait_consumed(&consumer.stats(), events.len() as u64).await;
 
     let purged = fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, 1).await.expect("purge");
@@ -308,5 +290,70 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
         (still_running, "a task with an execution still running keeps them"),
     ] {
         assert_eq!(count_rows(pool, &EXECUTOR_TABLES, kept.as_uuid()).await, 3, "{why}");
+    }
+}
+
+/// A consumer of the status topic with `handler`, as the service runs it.
+fn status_consumer<H: fenceline_bus::Handler>(
+    db: &fenceline_store::Database,
+    prefix: &str,
+    handler: H,
+    shutdown: &CancellationToken,
+) -> fenceline_bus::ConsumerHandle {
+    let writer = OutboxWriter::new("consumer", prefix, outbox_config().shards);
+    fenceline_bus::FencedConsumer::spawn(
+        fenceline_bus::ConsumerSpec {
+            group: fresh_group(),
+            topics: vec![topics::named(prefix, topics::STATUS)],
+            instance: "status".into(),
+            drain_grace: Duration::from_secs(5),
+        },
+        &kafka(prefix),
+        &consumer_config(),
+        db.pool.clone(),
+        writer,
+        handler,
+        shutdown.clone(),
+    )
+    .expect("consumer")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_task_gets_a_tombstone_on_the_status_topic_that_every_consumer_skips() {
+    let url = fresh_database().await;
+    let prefix = fresh_topics().await;
+    let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
+    let executor = service_database(&url, fenceline_executor::NAME, &fenceline_executor::MIGRATOR).await;
+    let intake = service_database(&url, fenceline_intake::NAME, &fenceline_intake::MIGRATOR).await;
+    let shutdown = CancellationToken::new();
+    let _guard = shutdown.clone().drop_guard();
+    let writer = OutboxWriter::new(fenceline_scheduler::NAME, &prefix, outbox_config().shards);
+    start_relay("scheduler-relay", &scheduler, &kafka(&prefix), &writer, &shutdown);
+
+    let purged = scheduler_task(&scheduler.pool, "succeeded", 40).await;
+    let task = TaskId::from_uuid(purged);
+    write_outbox(&scheduler.pool, &writer, topics::STATUS, &[status(task, TaskState::Succeeded, 7, 40)], 1).await;
+    assert_eq!(scheduler_purge(&scheduler.pool, &prefix, 500).await, 1);
+    writer.committed();
+
+    let records = read_topic(&brokers(), &topics::named(&prefix, topics::STATUS), 2, Duration::from_secs(20));
+    let of_task: Vec<_> = records.iter().filter(|m| m.key() == Some(task.to_string().as_bytes())).collect();
+    assert_eq!(of_task.len(), 2, "the snapshot, then the tombstone, under the task's key");
+    assert!(of_task[0].payload().is_some(), "the snapshot first");
+    assert_eq!(of_task[1].payload(), None, "then a record with a null value");
+
+    let consumers = [
+        status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown),
+        status_consumer(&intake, &prefix, fenceline_intake::tasks::StatusProjection, &shutdown),
+    ];
+    for consumer in &consumers {
+        let stats = consumer.stats();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while stats.tombstones.load(Ordering::Relaxed) < 1 {
+            assert!(tokio::time::Instant::now() < deadline, "the tombstone was not read in 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(stats.applied.load(Ordering::Relaxed), 1, "the snapshot is applied");
+        assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0, "the tombstone is not dead-lettered");
     }
 }

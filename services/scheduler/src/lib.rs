@@ -124,10 +124,11 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         }
     });
     let pool = app.base.database.pool.clone();
+    let outbox = app.base.outbox.clone();
     app.base.spawn_every(Duration::from_secs(300), move || {
-        let pool = pool.clone();
+        let (pool, outbox) = (pool.clone(), outbox.clone());
         async move {
-            match retention::purge_finished_tasks(&pool, task_retention, 500).await {
+            match retention::purge_finished_tasks(&pool, &outbox, task_retention, 500).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
                 Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),

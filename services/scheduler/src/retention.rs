@@ -2,15 +2,26 @@
 
 use std::time::Duration;
 
+use fenceline_bus::OutboxWriter;
+use fenceline_domain::ids::TaskId;
+use fenceline_events::topics;
 use sqlx::PgPool;
 
 /// Deletes the scheduler's rows of tasks in a final state (`succeeded`, `failed`,
 /// `cancelled`) whose last change is older than `retention`: the task, its slots
 /// (a final task holds none, but a slot whose release was never heard may remain
 /// until it expires) and its early requests, `batch` tasks per transaction so no
-/// delete holds locks for long. Returns how many tasks went. A task waiting for a
-/// person (`outcome_unknown`, `needs_human`) or anything open is never purged.
-pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+/// delete holds locks for long; and in the same transaction a tombstone for the
+/// task's key on `fenceline.status`, so that compaction drops its snapshot too
+/// (docs/wire.md, "Tombstones on fenceline.status"). Returns how many tasks went.
+/// A task waiting for a person (`outcome_unknown`, `needs_human`) or anything open
+/// is never purged.
+pub async fn purge_finished_tasks(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    retention: Duration,
+    batch: i64,
+) -> Result<u64, fenceline_bus::Error> {
     let retention_us = i64::try_from(retention.as_micros()).unwrap_or(i64::MAX);
     let mut purged = 0;
     loop {
@@ -28,7 +39,15 @@ pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64
         for table in ["slots", "early_requests", "tasks"] {
             sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
         }
+        for id in &ids {
+            // The key every status of the task was published under.
+            let key = TaskId::from_uuid(*id).to_string();
+            outbox.append_tombstone(&mut tx, topics::STATUS, key.as_bytes()).await?;
+        }
         tx.commit().await?;
+        if !ids.is_empty() {
+            outbox.committed();
+        }
         purged += ids.len() as u64;
         if (ids.len() as i64) < batch {
             return Ok(purged);

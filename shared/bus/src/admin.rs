@@ -18,6 +18,13 @@ pub struct TopicSpec {
     pub compacted: bool,
 }
 
+/// How long a compacted topic keeps a tombstone before compaction drops it too,
+/// in milliseconds: 7 days, as long as the broker keeps the other topics and the
+/// consumers remember applied events, so that a reader that keeps a view of
+/// `fenceline.status` and is no further behind than that sees the tombstone and
+/// drops the task (docs/wire.md, "Tombstones on fenceline.status").
+pub const TOMBSTONE_RETENTION_MS: &str = "604800000";
+
 /// Creates the topics that do not exist yet; existing ones are left as they are.
 pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[TopicSpec], replication: i32) -> Result<(), Error> {
     let admin: AdminClient<DefaultClientContext> = crate::kafka::producer_config(kafka, "fenceline-admin").create()?;
@@ -25,7 +32,11 @@ pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[TopicSpec], replicatio
         .iter()
         .map(|t| {
             let topic = NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(replication));
-            if t.compacted { topic.set("cleanup.policy", "compact") } else { topic }
+            if t.compacted {
+                topic.set("cleanup.policy", "compact").set("delete.retention.ms", TOMBSTONE_RETENTION_MS)
+            } else {
+                topic
+            }
         })
         .collect();
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));

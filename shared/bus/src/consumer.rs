@@ -213,6 +213,8 @@ pub struct ConsumerStats {
     pub redelivered: AtomicU64,
     pub duplicates: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Tombstones (null values on a compacted topic) skipped.
+    pub tombstones: AtomicU64,
     pub fenced_batches: AtomicU64,
     pub batches: AtomicU64,
     pub assigned_partitions: AtomicUsize,
@@ -933,6 +935,13 @@ impl<H: Handler> Processor<H> {
     ) -> Result<u64, BatchFailure> {
         let mut decoded = Vec::with_capacity(messages.len());
         for message in messages {
+            if message.payload().is_none() && topics::is_compacted(topic) {
+                // A tombstone: the key's task was purged upstream (docs/wire.md,
+                // "Tombstones on fenceline.status"). Nothing to apply, nothing to reject.
+                self.stats.tombstones.fetch_add(1, Ordering::Relaxed);
+                debug!(topic, partition, offset = message.offset(), "tombstone skipped");
+                continue;
+            }
             let headers = message
                 .headers()
                 .map(|h| h.iter().map(|header| (header.key, header.value)).collect::<Vec<(&str, Option<&[u8]>)>>());

@@ -41,6 +41,10 @@ const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = 
 /// so that a batch of one service never waits on another's writers.
 const KEY_LOCK: &str = "hashtextextended(current_schema() || ':outbox-key:' || encode($1, 'escape'), 0)";
 
+/// The `event_type` header of a tombstone. Do not change: dashboards may match it
+/// (docs/wire.md, "Tombstones on fenceline.status").
+pub const TOMBSTONE: &str = "Tombstone";
+
 /// Writes events into the outbox inside the caller's transaction.
 #[derive(Debug, Clone)]
 pub struct OutboxWriter {
@@ -109,6 +113,31 @@ impl OutboxWriter {
         Ok(headers.event_id)
     }
 
+    /// Appends a tombstone for `key` on `topic`, a compacted topic: a record with a
+    /// null value, after which compaction drops every record of the key (docs/wire.md,
+    /// "Tombstones on fenceline.status"). It is ordered after the key's earlier rows
+    /// like any append; its headers carry an `event_id` and `event_type` [`TOMBSTONE`].
+    pub async fn append_tombstone(&self, conn: &mut PgConnection, topic: &str, key: &[u8]) -> Result<EventId, Error> {
+        let event_id = EventId::new_v7();
+        let shard = shard_for_key(key, self.shards);
+        sqlx::query(&format!("SELECT pg_advisory_xact_lock({KEY_LOCK})")).bind(key).execute(&mut *conn).await?;
+        sqlx::query(
+            "INSERT INTO outbox (shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, \
+             producer, produced_at_us, traceparent) VALUES ($1, $2, $3, NULL, $4, $5, '', $6, $7, $8)",
+        )
+        .bind(i16::try_from(shard).unwrap_or(i16::MAX))
+        .bind(self.topic(topic))
+        .bind(key)
+        .bind(event_id.as_uuid())
+        .bind(TOMBSTONE)
+        .bind(self.producer)
+        .bind(Timestamp::now().0)
+        .bind(fenceline_telemetry::current_traceparent())
+        .execute(&mut *conn)
+        .await?;
+        Ok(event_id)
+    }
+
     /// Tells this process's relay that rows were committed. Call after the commit.
     pub fn committed(&self) {
         self.written.notify_one();
@@ -149,7 +178,8 @@ struct Row {
     id: i64,
     topic: String,
     record_key: Option<Vec<u8>>,
-    payload: Vec<u8>,
+    /// None: a tombstone.
+    payload: Option<Vec<u8>>,
     event_id: uuid::Uuid,
     event_type: String,
     schema_fingerprint: String,
@@ -420,7 +450,7 @@ impl Relay {
             topic = %row.topic,
             outbox_id = row.id,
             event_type = %row.event_type,
-            bytes = row.payload.len(),
+            bytes = row.payload.as_ref().map_or(0, Vec::len),
             reason,
             "the broker can never take this outbox row; kept as refused and sent on as a dead letter"
         );
@@ -432,7 +462,7 @@ impl Relay {
         if row.event_type == "DeadLetter" {
             return Ok(());
         }
-        let (original, cut) = bounded_original(&row.payload);
+        let (original, cut) = bounded_original(row.payload.as_deref().unwrap_or_default());
         let letter = Event::DeadLetter(DeadLetter {
             topic: row.topic.clone(),
             partition: -1,
@@ -461,7 +491,10 @@ impl Relay {
         // Per row: a pending delivery, or what is already known of it.
         let mut handed = Vec::with_capacity(rows.len());
         for row in rows {
-            let mut record = FutureRecord::to(&row.topic).payload(&row.payload).headers(row.headers());
+            let mut record: FutureRecord<'_, Vec<u8>, Vec<u8>> = FutureRecord::to(&row.topic).headers(row.headers());
+            if let Some(payload) = &row.payload {
+                record = record.payload(payload);
+            }
             if let Some(key) = &row.record_key {
                 record = record.key(key);
             }

@@ -2,8 +2,8 @@
 //! checkpoints and approvals, cancellation, verification of results, a pool of one
 //! connection, graceful shutdown, a scheduler killed between deciding and
 //! publishing, and inputs that arrive before what they answer (a decision before
-//! its loss, an approval before its wait, a cancel before its task). The fake
-//! provider's call log is the judge.
+//! its loss, an approval before its wait, a cancel before its task), and the limits
+//! of every provider an attempt calls. The fake provider's call log is the judge.
 
 use std::time::Duration;
 
@@ -258,6 +258,35 @@ async fn a_providers_rate_limit_spaces_the_calls_of_every_executor() {
     // 10 grants from a bucket of 1 refilled at 2/s need at least 4.5 s.
     assert!(took >= Duration::from_millis(4_500), "10 calls in {took:?}: faster than the rate allows");
     assert_eq!(system.provider("img").calls().await.len(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_calls_two_providers_keeps_the_rate_limit_of_the_second() {
+    let mut system = System::new(&[("llm", Caps::default()), ("pay", Caps::default())]).await;
+    // Each attempt drafts at llm (room to spare) and then charges at pay, which
+    // takes two calls a second with a burst of one.
+    system.set_provider_limits("pay", 50, 2.0, 1.0);
+    system.set_kinds(json!({
+        "ticket.settle": {"steps": [{"name": "draft", "provider": "llm"}, {"name": "charge", "provider": "pay"}],
+                          "max_attempts": 4, "attempt_budget_ms": 60_000}
+    }));
+    system.spawn_all(None).await;
+    let tasks = system.submit_many("acme", "ticket.settle", 6).await;
+    for task in &tasks {
+        system.wait_state(*task, &["succeeded"], LONG).await;
+    }
+    let charged: Vec<i64> = system
+        .provider("pay")
+        .calls()
+        .await
+        .iter()
+        .map(|call| call["received_at_us"].as_i64().expect("received_at_us"))
+        .collect();
+    assert_eq!(charged.len(), 6, "one charge per task");
+    assert_eq!(system.provider("llm").calls().await.len(), 6, "one draft per task");
+    // Six calls from a bucket of one refilled at two a second span at least 2.5 s.
+    let span = Duration::from_micros(u64::try_from(charged[5] - charged[0]).unwrap_or(0));
+    assert!(span >= Duration::from_millis(2_300), "pay took 6 calls in {span:?}: faster than its rate allows");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

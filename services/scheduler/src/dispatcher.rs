@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fenceline_bus::OutboxWriter;
-use fenceline_config::catalog::Catalog;
+use fenceline_config::catalog::{Catalog, ProviderSpec};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
 use fenceline_domain::limits::take_tokens;
@@ -30,14 +30,14 @@ use crate::{SchedulerSettings, health};
 const LONGEST_SLEEP: Duration = Duration::from_secs(5);
 
 /// What one try to grant a task came to.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Tried {
     Granted,
-    /// The provider has no free slot, or another instance's round holds it: skip its
-    /// tasks this round.
-    ProviderFull,
-    /// The provider's bucket is empty: skip its tasks until this many micros pass.
-    RateLimited(Micros),
+    /// A provider the attempt calls has no free slot, or another instance's round
+    /// holds it: skip the tasks of that provider this round.
+    ProviderFull(String),
+    /// A provider's bucket is empty: skip its tasks until this many micros pass.
+    RateLimited(String, Micros),
     /// The tenant's slots for the kind are all taken.
     TenantFull,
     /// Someone else holds it, it is no longer due, or the lifecycle refused.
@@ -153,9 +153,9 @@ impl Dispatcher {
                 }
                 match self.try_grant(&mut tx, &mut round, TaskId::from_uuid(task_id), now).await? {
                     Tried::Granted => {}
-                    Tried::ProviderFull => round.passed_over.push(provider),
-                    Tried::RateLimited(until) => {
-                        rate_blocked.insert(provider, until);
+                    Tried::ProviderFull(full) => round.passed_over.push(full),
+                    Tried::RateLimited(limited, until) => {
+                        rate_blocked.insert(limited, until);
                     }
                     Tried::TenantFull | Tried::Skipped => {}
                 }
@@ -249,21 +249,22 @@ impl Dispatcher {
             round.lateness.extend(lateness);
             return Ok(Tried::Skipped);
         }
-        let known = self
-            .catalog
-            .kind(&row.kind)
-            .and_then(|kind| {
-                kind.slot_provider_after(row.lifecycle.resume_after_step.as_deref()).map(|name| (kind, name))
-            })
-            .and_then(|(kind, name)| self.catalog.provider(name).map(|provider| (kind, name, provider)));
-        let Some((kind, provider_name, provider)) = known else {
+        let resume = row.lifecycle.resume_after_step.as_deref();
+        let kind = self.catalog.kind(&row.kind);
+        // Every provider the attempt calls, with its limits: all must be known here.
+        let needs: Option<Vec<(&str, u32, &ProviderSpec)>> = kind.and_then(|kind| {
+            let calls = kind.calls_after(resume);
+            (!calls.is_empty()).then_some(())?;
+            calls.into_iter().map(|(name, calls)| self.catalog.provider(name).map(|p| (name, calls, p))).collect()
+        });
+        let (Some(kind), Some(needs)) = (kind, needs) else {
             // Not grantable with this instance's catalogue (a kind or provider
             // removed, or not deployed here yet): looked at again later, so that it
             // never holds the head of its tenant's queue in every round.
             warn!(
                 task_id = %row.task_id,
                 kind = %row.kind,
-                "the task's kind or its provider is not in this scheduler's catalogue; looked at again in {} s",
+                "the task's kind or a provider it calls is not in this scheduler's catalogue; looked at again in {} s",
                 UNKNOWN_KIND_RETRY.as_secs()
             );
             sqlx::query("UPDATE tasks SET due_at_us = $2 WHERE task_id = $1")
@@ -273,46 +274,32 @@ impl Dispatcher {
                 .await?;
             return Ok(Tried::Skipped);
         };
-        // The provider's slots and bucket belong to one instance's round at a time;
-        // another instance's round passes the provider over instead of waiting.
-        if !round.providers.contains_key(provider_name) {
-            let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('fenceline.slot:' || $1))")
-                .bind(provider_name)
-                .fetch_one(&mut *tx)
-                .await?;
-            if !ours {
-                return Ok(Tried::ProviderFull);
+        // A slot and a token per call at every provider the attempt calls, all or
+        // none: nothing is taken until each of them has room.
+        let mut takes: Vec<(&str, f64)> = Vec::with_capacity(needs.len());
+        for (provider_name, calls, provider) in needs {
+            if let Some(held_back) = self.hold(tx, round, provider_name, provider, now).await? {
+                return Ok(held_back);
             }
-            let slots = sqlx::query_scalar("SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2")
-                .bind(provider_name)
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await?;
-            let bucket = read_bucket(tx, provider_name, provider.burst, now).await?;
-            // The adaptive limit, when the provider's health reduced it, caps the slots.
-            let (allowed, reduced) = match provider.adaptive_policy() {
-                Some(policy) => {
-                    let limit = health::read(tx, provider_name, &policy).await?;
-                    (limit.slots(&policy), limit.describe(provider_name, &policy))
-                }
-                None => (provider.concurrency, None),
+            let Some(held) = round.providers.get(provider_name) else {
+                return Ok(Tried::Skipped);
             };
-            round.providers.insert(
-                provider_name.to_owned(),
-                Held { slots, allowed: i64::from(allowed), reduced, bucket, bucket_taken: false },
-            );
-        }
-        let Some(held) = round.providers.get_mut(provider_name) else {
-            return Ok(Tried::Skipped);
-        };
-        if held.slots >= held.allowed {
-            // Passed over because the provider is in trouble: its reason says so. Only
-            // a new reason is written (a write would wake the dispatchers again).
-            let reason = held.reduced.as_ref().map(|reduced| format!("waiting for a slot: {reduced}"));
-            if let Some(reason) = reason.filter(|reason| row.lifecycle.reason.as_ref() != Some(reason)) {
-                tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+            if held.slots >= held.allowed {
+                // Passed over because the provider is in trouble: its reason says so. Only
+                // a new reason is written (a write would wake the dispatchers again).
+                let reason = held.reduced.as_ref().map(|reduced| format!("waiting for a slot: {reduced}"));
+                if let Some(reason) = reason.filter(|reason| row.lifecycle.reason.as_ref() != Some(reason)) {
+                    tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+                }
+                return Ok(Tried::ProviderFull(provider_name.to_owned()));
             }
-            return Ok(Tried::ProviderFull);
+            let (tokens, refilled_at) = held.bucket;
+            // One token per call the attempt will make to the provider, not one per attempt.
+            let (left, wait) = take_tokens(tokens, refilled_at, provider.rate_per_second, provider.burst, now, calls);
+            if let Some(wait) = wait {
+                return Ok(Tried::RateLimited(provider_name.to_owned(), now + wait));
+            }
+            takes.push((provider_name, left));
         }
         let tenant_kind = (row.tenant.clone(), row.kind.clone());
         if kind.tenant_concurrency > 0 {
@@ -335,13 +322,6 @@ impl Dispatcher {
                 return Ok(Tried::TenantFull);
             }
         }
-        let (tokens, refilled_at) = held.bucket;
-        // One token per call the attempt will make to the provider, not one per attempt.
-        let calls = kind.calls_to_after(provider_name, row.lifecycle.resume_after_step.as_deref());
-        let (left, wait) = take_tokens(tokens, refilled_at, provider.rate_per_second, provider.burst, now, calls);
-        if let Some(wait) = wait {
-            return Ok(Tried::RateLimited(now + wait));
-        }
         let lifecycle = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
             .instrument(span.clone())
             .await
@@ -349,24 +329,74 @@ impl Dispatcher {
         if lifecycle.live_grant.is_none() || lifecycle.live_grant == row.lifecycle.live_grant {
             return Ok(Tried::Skipped);
         }
-        held.slots += 1;
-        held.bucket = (left, now);
-        held.bucket_taken = true;
+        let first = takes.first().map(|(name, _)| (*name).to_owned()).unwrap_or_default();
+        for (provider_name, left) in takes {
+            if let Some(held) = round.providers.get_mut(provider_name) {
+                held.slots += 1;
+                held.bucket = (left, now);
+                held.bucket_taken = true;
+            }
+        }
         if kind.tenant_concurrency > 0 {
             *round.tenant_slots.entry(tenant_kind).or_default() += 1;
         }
         round.granted += 1;
         round.lateness.extend(lateness);
         if let Some(grant_id) = lifecycle.live_grant {
-            round.grants.push(Granted {
-                span,
-                attempt: lifecycle.attempt,
-                grant_id,
-                provider: provider_name.to_owned(),
-            });
+            round.grants.push(Granted { span, attempt: lifecycle.attempt, grant_id, provider: first });
         }
         round.tenants.push(row.tenant);
         Ok(Tried::Granted)
+    }
+
+    /// Takes `provider`'s advisory lock for the round and reads its slots, bucket
+    /// and limit, once per round. The provider's slots and bucket belong to one
+    /// instance's round at a time; another instance's round passes the provider
+    /// over instead of waiting. `Some`: the provider cannot be granted this round.
+    async fn hold(
+        &self,
+        tx: &mut PgConnection,
+        round: &mut Round,
+        provider_name: &str,
+        provider: &ProviderSpec,
+        now: Micros,
+    ) -> Result<Option<Tried>, sqlx::Error> {
+        if round.providers.contains_key(provider_name) {
+            return Ok(None);
+        }
+        let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext('fenceline.slot:' || $1))")
+            .bind(provider_name)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !ours {
+            return Ok(Some(Tried::ProviderFull(provider_name.to_owned())));
+        }
+        // Its grants' own slots and the slots other grants hold there as a further
+        // provider they call, each of those only while its grant's own slot lives
+        // (a scheduler that knows only `slots` releases and expires just that one).
+        let slots = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2) \
+                  + (SELECT count(*) FROM other_provider_slots o WHERE o.provider = $1 AND o.expires_at_us > $2 \
+                     AND EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id))",
+        )
+        .bind(provider_name)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        let bucket = read_bucket(tx, provider_name, provider.burst, now).await?;
+        // The adaptive limit, when the provider's health reduced it, caps the slots.
+        let (allowed, reduced) = match provider.adaptive_policy() {
+            Some(policy) => {
+                let limit = health::read(tx, provider_name, &policy).await?;
+                (limit.slots(&policy), limit.describe(provider_name, &policy))
+            }
+            None => (provider.concurrency, None),
+        };
+        round.providers.insert(
+            provider_name.to_owned(),
+            Held { slots, allowed: i64::from(allowed), reduced, bucket, bucket_taken: false },
+        );
+        Ok(None)
     }
 }
 
@@ -392,8 +422,8 @@ struct Round {
     tenants: Vec<String>,
     /// The providers whose advisory lock this round holds, and their limits.
     providers: HashMap<String, Held>,
-    /// Live slots per (tenant, kind) where the kind limits its tenants; a kind's
-    /// slots are all at its provider, so the provider's lock guards these too.
+    /// Live attempts per (tenant, kind) where the kind limits its tenants; a kind's
+    /// attempts all hold a slot at its provider, so the provider's lock guards these too.
     tenant_slots: HashMap<(String, String), i64>,
     /// Providers full or held by another instance: their tasks wait for the next round.
     passed_over: Vec<String>,

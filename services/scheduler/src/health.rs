@@ -12,7 +12,8 @@ use sqlx::types::Json;
 use tracing::{debug, info, warn};
 
 /// Moves the limit of the provider whose slot `grant_id` holds by one attempt
-/// outcome, in the caller's transaction. Call it before the slot is released: an
+/// outcome, in the caller's transaction; of an attempt that calls several
+/// providers, the first one's (the grant's provider). Call it before the slot is released: an
 /// outcome whose slot is gone (a stale or repeated event) says nothing new.
 pub async fn observe(
     tx: &mut PgConnection,

@@ -112,6 +112,13 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "expiring slots failed"),
             }
+            // A grant's slots at its other providers go with its own slot: expired, or
+            // released by a scheduler that knows only `slots` (docs/deploy.md).
+            let orphans = "DELETE FROM other_provider_slots o WHERE o.expires_at_us < $1 \
+                           OR NOT EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id)";
+            if let Err(e) = sqlx::query(orphans).bind(now).execute(&pool).await {
+                tracing::warn!(error = %e, "expiring slots at other providers failed");
+            }
             // A request kept for a task that never arrived outlives the consumer's dedup window no longer.
             let purge = "DELETE FROM early_requests WHERE received_at < now() - interval '7 days'";
             match sqlx::query(purge).execute(&pool).await {

@@ -161,8 +161,11 @@ async fn carry_out(
     match effect {
         Effect::Dispatch { grant_id, attempt, generation, resume_after_step } => {
             let kind = ctx.catalog.kind(&row.kind);
-            let provider =
-                kind.and_then(|k| k.slot_provider_after(resume_after_step.as_deref())).unwrap_or_default().to_owned();
+            // A slot at every provider the attempt calls: the first names the grant and
+            // its slot is the grant's row in `slots`; the others' go to
+            // `other_provider_slots`, which only this release knows (docs/execution.md, "Slots").
+            let calls = kind.map(|k| k.calls_after(resume_after_step.as_deref())).unwrap_or_default();
+            let provider = calls.first().map(|(name, _)| (*name).to_owned()).unwrap_or_default();
             let budget = kind.map_or(60_000, |k| k.attempt_budget_ms);
             // A slot whose end is never heard expires after twice the attempt budget.
             let expires = now + i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
@@ -178,6 +181,19 @@ async fn carry_out(
             .bind(expires)
             .execute(&mut *tx)
             .await?;
+            let others: Vec<&str> = calls.iter().skip(1).map(|(name, _)| *name).collect();
+            if !others.is_empty() {
+                sqlx::query(
+                    "INSERT INTO other_provider_slots (grant_id, task_id, provider, expires_at_us) \
+                     SELECT $1, $2, provider, $4 FROM unnest($3::text[]) AS p(provider) ON CONFLICT DO NOTHING",
+                )
+                .bind(grant_id.as_uuid())
+                .bind(row.task_id.as_uuid())
+                .bind(&others)
+                .bind(expires)
+                .execute(&mut *tx)
+                .await?;
+            }
             let event = Event::AttemptGranted(AttemptGranted {
                 grant_id: *grant_id,
                 task_id: row.task_id,
@@ -208,9 +224,14 @@ async fn carry_out(
     Ok(())
 }
 
-/// Gives a grant's slot back and wakes the dispatchers at commit.
+/// Gives a grant's slots back, at every provider it holds one, and wakes the
+/// dispatchers at commit.
 pub async fn release_slot(tx: &mut PgConnection, channel: &str, grant_id: GrantId) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM slots WHERE grant_id = $1").bind(grant_id.as_uuid()).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM other_provider_slots WHERE grant_id = $1")
+        .bind(grant_id.as_uuid())
+        .execute(&mut *tx)
+        .await?;
     sqlx::query("SELECT pg_notify($1, '')").bind(channel).execute(&mut *tx).await?;
     Ok(())
 }

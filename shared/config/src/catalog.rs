@@ -251,17 +251,25 @@ impl KindSpec {
             .or_else(|| self.steps.iter().find_map(|s| s.call().map(|(provider, _)| provider)))
     }
 
-    /// How many calls to `provider` an attempt that resumes after step `after`
-    /// makes: its call steps at that provider up to the next approval, where the
-    /// attempt hands its grant back. Each takes a token of the provider's rate.
-    pub fn calls_to_after(&self, provider: &str, after: Option<&str>) -> u32 {
+    /// Every provider an attempt that resumes after step `after` calls before the
+    /// next approval (where it hands its grant back), in the order it first calls
+    /// each, with how many calls it makes there. The attempt holds a slot of each
+    /// and takes a token of each one's rate per call. The first is the
+    /// [`slot_provider_after`](Self::slot_provider_after); an attempt that calls
+    /// nothing before the approval holds that provider's slot, with no call.
+    pub fn calls_after(&self, after: Option<&str>) -> Vec<(&str, u32)> {
         let ahead = &self.steps[self.step_index_after(after).min(self.steps.len())..];
-        let calls = ahead
-            .iter()
-            .take_while(|s| s.approval_signal.is_none())
-            .filter(|s| s.call().is_some_and(|(p, _)| p == provider))
-            .count();
-        u32::try_from(calls).unwrap_or(u32::MAX)
+        let mut calls: Vec<(&str, u32)> = Vec::new();
+        for (provider, _) in ahead.iter().take_while(|s| s.approval_signal.is_none()).filter_map(StepSpec::call) {
+            match calls.iter_mut().find(|(seen, _)| *seen == provider) {
+                Some((_, count)) => *count += 1,
+                None => calls.push((provider, 1)),
+            }
+        }
+        if calls.is_empty() {
+            calls.extend(self.slot_provider_after(after).map(|provider| (provider, 0)));
+        }
+        calls
     }
 
     /// The step that follows `after` (the first step when `None`).
@@ -404,8 +412,8 @@ mod tests {
         assert_eq!(kind.steps[1].call(), Some(("img", "pay")));
         assert_eq!(kind.step_index_after(None), 0);
         assert_eq!(kind.step_index_after(Some("approve")), 1);
-        assert_eq!(kind.calls_to_after("img", None), 0, "the first attempt stops at the approval");
-        assert_eq!(kind.calls_to_after("img", Some("approve")), 1);
+        assert_eq!(kind.calls_after(None), vec![("img", 0)], "the first attempt stops at the approval");
+        assert_eq!(kind.calls_after(Some("approve")), vec![("img", 1)]);
         let img = catalog.provider("img").expect("img");
         assert_eq!(img.overrides().get(&409), Some(&ErrorClass::Ambiguous));
         assert!(img.error_table().safe_5xx.is_empty(), "no 5xx is safe unless declared");

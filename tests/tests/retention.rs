@@ -101,7 +101,8 @@ async fn service_database(
     fenceline_store::connect(&postgres(url, name), name, &[&fenceline_bus::MIGRATOR, migrator]).await.expect("schema")
 }
 
-/// A scheduler task in `state`, last changed `age_days` ago, with a slot and an early request.
+/// A scheduler task in `state`, last changed `age_days` ago, with a slot at each of
+/// two providers and an early request.
 async fn scheduler_task(pool: &sqlx::PgPool, state: &str, age_days: i32) -> uuid::Uuid {
     let id = uuid::Uuid::now_v7();
     sqlx::query(
@@ -114,15 +115,24 @@ async fn scheduler_task(pool: &sqlx::PgPool, state: &str, age_days: i32) -> uuid
     .execute(pool)
     .await
     .expect("task");
+    let grant = uuid::Uuid::now_v7();
     sqlx::query(
         "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
          VALUES ($1, $2, 'img', 'acme', 'image.generate', 0)",
     )
-    .bind(uuid::Uuid::now_v7())
+    .bind(grant)
     .bind(id)
     .execute(pool)
     .await
     .expect("slot");
+    sqlx::query(
+        "INSERT INTO other_provider_slots (grant_id, task_id, provider, expires_at_us) VALUES ($1, $2, 'pay', 0)",
+    )
+    .bind(grant)
+    .bind(id)
+    .execute(pool)
+    .await
+    .expect("slot at another provider");
     sqlx::query("INSERT INTO early_requests (task_id, event_id, value) VALUES ($1, $2, '')")
         .bind(id)
         .bind(uuid::Uuid::now_v7())
@@ -145,7 +155,7 @@ async fn count_rows(pool: &sqlx::PgPool, tables: &[&str], id: uuid::Uuid) -> i64
     total
 }
 
-const SCHEDULER_TABLES: [&str; 3] = ["tasks", "slots", "early_requests"];
+const SCHEDULER_TABLES: [&str; 4] = ["tasks", "slots", "other_provider_slots", "early_requests"];
 
 /// Purges the scheduler's finished tasks past 30 days, `batch` per transaction.
 async fn scheduler_purge(pool: &sqlx::PgPool, prefix: &str, batch: i64) -> u64 {
@@ -185,7 +195,7 @@ async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open
         assert_eq!(tombstones_in_outbox(&pool, id).await, 1, "the purge of {id} tombstones its status key");
     }
     for id in kept {
-        assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 3, "an open or recent task keeps its rows");
+        assert_eq!(count_rows(&pool, &SCHEDULER_TABLES, id).await, 4, "an open or recent task keeps its rows");
         assert_eq!(tombstones_in_outbox(&pool, id).await, 0);
     }
     assert_eq!(scheduler_purge(&pool, "", 2).await, 0);

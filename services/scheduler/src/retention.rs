@@ -9,8 +9,8 @@ use sqlx::PgPool;
 
 /// Deletes the scheduler's rows of tasks in a final state (`succeeded`, `failed`,
 /// `cancelled`) whose last change is older than `retention`: the task, its slots
-/// (a final task holds none, but a slot whose release was never heard may remain
-/// until it expires) and its early requests, `batch` tasks per transaction so no
+/// in both tables (a final task holds none, but a slot whose release was never
+/// heard may remain until it expires) and its early requests, `batch` tasks per transaction so no
 /// delete holds locks for long; and in the same transaction a tombstone for the
 /// task's key on `fenceline.status`, so that compaction drops its snapshot too
 /// (docs/wire.md, "Tombstones on fenceline.status"). Returns how many tasks went.
@@ -36,7 +36,7 @@ pub async fn purge_finished_tasks(
         .bind(batch)
         .fetch_all(&mut *tx)
         .await?;
-        for table in ["slots", "early_requests", "tasks"] {
+        for table in ["slots", "other_provider_slots", "early_requests", "tasks"] {
             sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
         }
         for id in &ids {

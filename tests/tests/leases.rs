@@ -1,8 +1,9 @@
-//! Leases, deadlines and the moment a paid request may leave, end to end on the
-//! real stack: an executor whose wall clock is minutes ahead, a grant claimed after
-//! its task's deadline, a worker whose lease would not hold while its request
-//! leaves, a worker whose writes fail for longer than its lease after the provider
-//! answered. The fake provider's ledger judges what was charged.
+//! Leases, slots, deadlines and the moment a paid request may leave, end to end on
+//! the real stack: an executor whose wall clock is minutes ahead, a scheduler whose
+//! wall clock is minutes ahead, a grant claimed after its task's deadline, a worker
+//! whose lease would not hold while its request leaves, a worker whose writes fail
+//! for longer than its lease after the provider answered. The fake provider's
+//! ledger judges what was charged.
 
 use std::time::Duration;
 
@@ -61,6 +62,62 @@ async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_an
     assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
     assert_eq!(execution(&system, own).await, (1, "succeeded".to_owned()), "B's own lease was never taken");
     assert_eq!(calls(&system, "img").await, (2, 2), "one charged call per task");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_whose_clock_is_minutes_ahead_counts_the_live_slots_of_the_others() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    // One call at a time at img, and room for a 12 s call.
+    system.set_provider_limits("img", 1, 50.0, 50.0);
+    system.set_provider_field("img", "call_timeout_ms", json!(20_000));
+    system.spawn("scheduler-a", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    system.provider("img").rule(json!({"latency_ms": 12_000, "times": 1})).await;
+    let first = system.submit("acme", "image.generate", json!({"prompt": "a slow shoe"})).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("img").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the first call never left:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The second task is due while the first holds img's one slot.
+    let second = system.submit("acme", "image.generate", json!({"prompt": "a patient shoe"})).await;
+    loop {
+        let taken_in: i64 = sqlx::query_scalar("SELECT count(*) FROM scheduler.tasks WHERE task_id = $1")
+            .bind(second.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("count");
+        if taken_in == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the second task never arrived:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // B's host clock runs five minutes ahead: by its clock the slot A granted, which
+    // lives twice the 60 s attempt budget, expired long ago.
+    let skew = [("FENCELINE_SCHEDULER_CLOCK_SKEW_MS", "300000".to_owned())];
+    system.spawn("scheduler-b", "scheduler", &skew).await;
+
+    for task in [first, second] {
+        system.wait_state(task, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
+        let (state, reason) = system.state(task).await.expect("task");
+        assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
+    }
+    let received: Vec<i64> = system
+        .provider("img")
+        .calls()
+        .await
+        .iter()
+        .map(|call| call["received_at_us"].as_i64().expect("received_at_us"))
+        .collect();
+    assert_eq!(received.len(), 2, "one call per task");
+    // The second call waited for the first's slot: the first call took 12 s.
+    let gap = Duration::from_micros(u64::try_from(received[1] - received[0]).unwrap_or(0));
+    assert!(
+        gap >= Duration::from_secs(11),
+        "the second call left {gap:?} after the first, while it held img's one slot"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

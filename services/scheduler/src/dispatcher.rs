@@ -17,14 +17,13 @@ use fenceline_config::catalog::{Catalog, ProviderSpec};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
 use fenceline_domain::limits::take_tokens;
-use fenceline_events::Timestamp;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, info, warn};
 
 use crate::tasks::{self, Context};
-use crate::{SchedulerSettings, health};
+use crate::{SchedulerSettings, clock, health};
 
 /// Longest sleep without a wake-up: bounds how late an expired slot is noticed.
 const LONGEST_SLEEP: Duration = Duration::from_secs(5);
@@ -67,7 +66,7 @@ impl Dispatcher {
             if listener.is_none() {
                 listener = self.listen().await;
             }
-            let now = Timestamp::now().0;
+            let now = clock::now().0;
             rate_blocked.retain(|_, until| *until > now);
             let round = tracing::info_span!("dispatch round", granted = tracing::field::Empty);
             let sleep = match self.round(&mut rate_blocked).instrument(round).await {
@@ -107,12 +106,12 @@ impl Dispatcher {
     /// slot (or a rate bucket's refill), not for a timer: no busy loop.
     async fn until_next_due(&self, rate_blocked: &HashMap<String, Micros>) -> Duration {
         let next: Option<i64> = sqlx::query_scalar("SELECT min(due_at_us) FROM tasks WHERE due_at_us > $1")
-            .bind(Timestamp::now().0)
+            .bind(clock::now().0)
             .fetch_one(&self.pool)
             .await
             .unwrap_or(None);
         let earliest = next.into_iter().chain(rate_blocked.values().copied()).min();
-        let now = Timestamp::now().0;
+        let now = clock::now().0;
         earliest.map_or(LONGEST_SLEEP, |at| {
             Duration::from_micros(u64::try_from(at.saturating_sub(now)).unwrap_or(0)).min(LONGEST_SLEEP)
         })
@@ -122,7 +121,7 @@ impl Dispatcher {
     /// least recently granted tenant first, at most `grants_per_round` grants in one
     /// transaction (one commit for all). Returns how many were granted.
     async fn round(&self, rate_blocked: &mut HashMap<String, Micros>) -> Result<usize, sqlx::Error> {
-        let now = Timestamp::now().0;
+        let now = clock::now().0;
         let limit = self.settings.grants_per_round;
         let mut tx = self.pool.begin().await?;
         let mut round = Round::default();

@@ -13,11 +13,11 @@ use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
 use fenceline_domain::limits::Health;
 use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
-use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
+use fenceline_events::{Event, TaskAccepted, topics};
 use sqlx::PgConnection;
 
 use crate::tasks::{self, Context, TaskRow};
-use crate::{SchedulerSettings, health};
+use crate::{SchedulerSettings, clock, health};
 
 /// Applies task, attempt and recovery events to the lifecycle.
 #[derive(Debug, Clone)]
@@ -37,7 +37,7 @@ impl LifecycleEvents {
     }
 
     async fn accept(&self, tx: &mut PgConnection, outbox: &OutboxWriter, e: &TaskAccepted) -> Result<(), HandleError> {
-        let now = Timestamp::now().0;
+        let now = clock::now().0;
         let mut task = Task::accepted(now, e.not_before.map(|t| t.0), e.deadline.map(|t| t.0));
         let kind = self.catalog.kind(&e.kind);
         if kind.is_none() {
@@ -223,7 +223,7 @@ impl Handler for LifecycleEvents {
             },
             other => return Err(HandleError::Poison(format!("the scheduler does not take {}", other.event_type()))),
         };
-        let now = Timestamp::now().0;
+        let now = clock::now().0;
         // The live attempt's outcome moves its provider's adaptive limit (its slot
         // names the provider) before the slot is given back.
         let health = match event {

@@ -1,5 +1,6 @@
 //! Scheduler: the authority on task state. Lifecycle, durable timers, concurrency slots, rate limits, backoff and fairness.
 
+mod clock;
 pub mod dispatcher;
 pub mod events;
 pub mod health;
@@ -104,7 +105,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     app.base.spawn_every(Duration::from_secs(60), move || {
         let pool = pool.clone();
         async move {
-            let now = fenceline_events::Timestamp::now().0;
+            let now = clock::now().0;
             match sqlx::query("DELETE FROM slots WHERE expires_at_us < $1").bind(now).execute(&pool).await {
                 Ok(r) if r.rows_affected() > 0 => {
                     tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");

@@ -1,5 +1,6 @@
 //! The scheduler's wall clock: the instants of its lifecycle decisions, timers, rate
-//! buckets and events. Builds with the `faults` feature read
+//! buckets and events. Slot expiry is never judged by it (docs/execution.md,
+//! "Slots"): that uses the database's clock. Builds with the `faults` feature read
 //! `FENCELINE_SCHEDULER_CLOCK_SKEW_MS` (signed milliseconds added to every reading),
 //! so a test can run a scheduler whose host clock is wrong.
 

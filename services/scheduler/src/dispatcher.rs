@@ -22,7 +22,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::tasks::{self, Context};
+use crate::tasks::{self, Context, DB_NOW_US};
 use crate::{SchedulerSettings, clock, health};
 
 /// Longest sleep without a wake-up: bounds how late an expired slot is noticed.
@@ -305,12 +305,11 @@ impl Dispatcher {
             let tenant_held = match round.tenant_slots.get(&tenant_kind) {
                 Some(count) => *count,
                 None => {
-                    let count: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > $3",
-                    )
+                    let count: i64 = sqlx::query_scalar(&format!(
+                        "SELECT count(*) FROM slots WHERE tenant = $1 AND kind = $2 AND expires_at_us > {DB_NOW_US}"
+                    ))
                     .bind(&row.tenant)
                     .bind(&row.kind)
-                    .bind(now)
                     .fetch_one(&mut *tx)
                     .await?;
                     round.tenant_slots.insert(tenant_kind.clone(), count);
@@ -373,13 +372,14 @@ impl Dispatcher {
         // Its grants' own slots and the slots other grants hold there as a further
         // provider they call, each of those only while its grant's own slot lives
         // (a scheduler that knows only `slots` releases and expires just that one).
-        let slots = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM slots WHERE provider = $1 AND expires_at_us > $2) \
-                  + (SELECT count(*) FROM other_provider_slots o WHERE o.provider = $1 AND o.expires_at_us > $2 \
-                     AND EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id))",
-        )
+        let slots = sqlx::query_scalar(&format!(
+            "WITH clock AS (SELECT {DB_NOW_US} AS now_us) \
+             SELECT (SELECT count(*) FROM slots, clock WHERE provider = $1 AND expires_at_us > clock.now_us) \
+                  + (SELECT count(*) FROM other_provider_slots o, clock WHERE o.provider = $1 \
+                     AND o.expires_at_us > clock.now_us \
+                     AND EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id))"
+        ))
         .bind(provider_name)
-        .bind(now)
         .fetch_one(&mut *tx)
         .await?;
         let bucket = read_bucket(tx, provider_name, provider.burst, now).await?;

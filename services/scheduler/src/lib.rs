@@ -105,8 +105,9 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     app.base.spawn_every(Duration::from_secs(60), move || {
         let pool = pool.clone();
         async move {
-            let now = clock::now().0;
-            match sqlx::query("DELETE FROM slots WHERE expires_at_us < $1").bind(now).execute(&pool).await {
+            // Expired by the database's clock, which wrote the expiry (docs/execution.md, "Slots").
+            let expire = format!("DELETE FROM slots WHERE expires_at_us < {}", tasks::DB_NOW_US);
+            match sqlx::query(&expire).execute(&pool).await {
                 Ok(r) if r.rows_affected() > 0 => {
                     tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");
                 }
@@ -115,9 +116,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             }
             // A grant's slots at its other providers go with its own slot: expired, or
             // released by a scheduler that knows only `slots` (docs/deploy.md).
-            let orphans = "DELETE FROM other_provider_slots o WHERE o.expires_at_us < $1 \
-                           OR NOT EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id)";
-            if let Err(e) = sqlx::query(orphans).bind(now).execute(&pool).await {
+            let orphans = format!(
+                "DELETE FROM other_provider_slots o WHERE o.expires_at_us < {} \
+                 OR NOT EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id)",
+                tasks::DB_NOW_US
+            );
+            if let Err(e) = sqlx::query(&orphans).execute(&pool).await {
                 tracing::warn!(error = %e, "expiring slots at other providers failed");
             }
             // A request kept for a task that never arrived outlives the consumer's dedup window no longer.

@@ -14,6 +14,12 @@ use std::time::Duration;
 
 use crate::SchedulerSettings;
 
+/// The database's clock, in micros since the epoch: the one clock slot expiry
+/// uses (docs/execution.md, "Slots"). Every scheduler instance writes and compares
+/// `expires_at_us` by it, so two hosts whose clocks differ agree on which slots live.
+/// Do not change: every slot expiry is written and compared in these units.
+pub(crate) const DB_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+
 /// A task row as the scheduler keeps it.
 #[derive(Debug, Clone)]
 pub struct TaskRow {
@@ -167,30 +173,31 @@ async fn carry_out(
             let calls = kind.map(|k| k.calls_after(resume_after_step.as_deref())).unwrap_or_default();
             let provider = calls.first().map(|(name, _)| (*name).to_owned()).unwrap_or_default();
             let budget = kind.map_or(60_000, |k| k.attempt_budget_ms);
-            // A slot whose end is never heard expires after twice the attempt budget.
-            let expires = now + i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
-            sqlx::query(
+            // A slot whose end is never heard expires after twice the attempt budget,
+            // by the database's clock.
+            let lifetime_us = i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
+            sqlx::query(&format!(
                 "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-            )
+                 VALUES ($1, $2, $3, $4, $5, {DB_NOW_US} + $6) ON CONFLICT DO NOTHING"
+            ))
             .bind(grant_id.as_uuid())
             .bind(row.task_id.as_uuid())
             .bind(&provider)
             .bind(&row.tenant)
             .bind(&row.kind)
-            .bind(expires)
+            .bind(lifetime_us)
             .execute(&mut *tx)
             .await?;
             let others: Vec<&str> = calls.iter().skip(1).map(|(name, _)| *name).collect();
             if !others.is_empty() {
+                // With the very expiry of the grant's own slot.
                 sqlx::query(
                     "INSERT INTO other_provider_slots (grant_id, task_id, provider, expires_at_us) \
-                     SELECT $1, $2, provider, $4 FROM unnest($3::text[]) AS p(provider) ON CONFLICT DO NOTHING",
+                     SELECT s.grant_id, s.task_id, p.provider, s.expires_at_us \
+                     FROM slots s, unnest($2::text[]) AS p(provider) WHERE s.grant_id = $1 ON CONFLICT DO NOTHING",
                 )
                 .bind(grant_id.as_uuid())
-                .bind(row.task_id.as_uuid())
                 .bind(&others)
-                .bind(expires)
                 .execute(&mut *tx)
                 .await?;
             }

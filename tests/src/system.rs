@@ -180,6 +180,11 @@ impl FakeProvider {
         body.as_array().cloned().unwrap_or_default()
     }
 
+    /// When it received each call, in micros since the epoch, in order.
+    pub async fn received_at_us(&self) -> Vec<i64> {
+        self.calls().await.iter().map(|call| call["received_at_us"].as_i64().expect("received_at_us")).collect()
+    }
+
     /// The calls that did work (were charged).
     pub async fn charges(&self) -> usize {
         let (_, body) = http("GET", format!("{}/admin/ledger", self.base), None).await.expect("ledger");

@@ -29,6 +29,15 @@ async fn execution(system: &System, task: TaskId) -> (i64, String) {
         .expect("execution")
 }
 
+/// Waits until `provider` has received a call.
+async fn wait_for_a_call(system: &System, provider: &str) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider(provider).calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "no call reached {provider}:\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_and_its_own_calls_succeed_once() {
     let mut system = System::new(&[("img", Caps::default())]).await;
@@ -38,11 +47,7 @@ async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_an
     // A's call takes 5 s: more than twice the 2 s lease, which A keeps renewing.
     system.provider("img").rule(json!({"latency_ms": 5000, "times": 1})).await;
     let task = system.submit("acme", "image.generate", json!({"prompt": "a slow shoe"})).await;
-    let deadline = tokio::time::Instant::now() + LONG;
-    while system.provider("img").calls().await.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "the call never left:\n{}", system.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_a_call(&system, "img").await;
     // B's host clock runs five minutes ahead: by its clock every lease has expired.
     let skew = [("FENCELINE_EXECUTOR_CLOCK_SKEW_MS", "300000".to_owned())];
     system.spawn("executor-b", "executor", &skew).await;
@@ -75,11 +80,8 @@ async fn a_scheduler_whose_clock_is_minutes_ahead_counts_the_live_slots_of_the_o
     system.spawn("executor", "executor", &[]).await;
     system.provider("img").rule(json!({"latency_ms": 12_000, "times": 1})).await;
     let first = system.submit("acme", "image.generate", json!({"prompt": "a slow shoe"})).await;
+    wait_for_a_call(&system, "img").await;
     let deadline = tokio::time::Instant::now() + LONG;
-    while system.provider("img").calls().await.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "the first call never left:\n{}", system.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     // The second task is due while the first holds img's one slot.
     let second = system.submit("acme", "image.generate", json!({"prompt": "a patient shoe"})).await;
     loop {
@@ -104,13 +106,7 @@ async fn a_scheduler_whose_clock_is_minutes_ahead_counts_the_live_slots_of_the_o
         let (state, reason) = system.state(task).await.expect("task");
         assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
     }
-    let received: Vec<i64> = system
-        .provider("img")
-        .calls()
-        .await
-        .iter()
-        .map(|call| call["received_at_us"].as_i64().expect("received_at_us"))
-        .collect();
+    let received = system.provider("img").received_at_us().await;
     assert_eq!(received.len(), 2, "one call per task");
     // The second call waited for the first's slot: the first call took 12 s.
     let gap = Duration::from_micros(u64::try_from(received[1] - received[0]).unwrap_or(0));

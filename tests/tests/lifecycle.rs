@@ -275,13 +275,7 @@ async fn an_attempt_that_calls_two_providers_keeps_the_rate_limit_of_the_second(
     for task in &tasks {
         system.wait_state(*task, &["succeeded"], LONG).await;
     }
-    let charged: Vec<i64> = system
-        .provider("pay")
-        .calls()
-        .await
-        .iter()
-        .map(|call| call["received_at_us"].as_i64().expect("received_at_us"))
-        .collect();
+    let charged = system.provider("pay").received_at_us().await;
     assert_eq!(charged.len(), 6, "one charge per task");
     assert_eq!(system.provider("llm").calls().await.len(), 6, "one draft per task");
     // Six calls from a bucket of one refilled at two a second span at least 2.5 s.

@@ -8,18 +8,9 @@ use fenceline_events::Timestamp;
 
 /// Now, by this host's wall clock (skewed in test builds when asked to).
 pub(crate) fn now() -> Timestamp {
-    Timestamp(Timestamp::now().0 + skew_us())
-}
-
-#[cfg(feature = "faults")]
-fn skew_us() -> i64 {
-    static SKEW: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *SKEW.get_or_init(|| {
-        std::env::var("FENCELINE_EXECUTOR_CLOCK_SKEW_MS").ok().and_then(|v| v.parse::<i64>().ok()).unwrap_or(0) * 1_000
-    })
-}
-
-#[cfg(not(feature = "faults"))]
-fn skew_us() -> i64 {
-    0
+    static SKEW_US: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    Timestamp(
+        Timestamp::now().0
+            + *SKEW_US.get_or_init(|| fenceline_bus::faults::clock_skew_us("FENCELINE_EXECUTOR_CLOCK_SKEW_MS")),
+    )
 }

@@ -60,3 +60,18 @@ pub fn drops(name: &'static str) -> bool {
 pub fn drops(_name: &'static str) -> bool {
     false
 }
+
+/// The signed milliseconds that the variable `name` (a service's
+/// `FENCELINE_<SERVICE>_CLOCK_SKEW_MS`) adds to every reading of its host's wall
+/// clock, in micros: a test runs a service whose clock is wrong. Always 0 without
+/// the `faults` feature.
+#[cfg(feature = "faults")]
+pub fn clock_skew_us(name: &str) -> i64 {
+    std::env::var(name).ok().and_then(|v| v.parse::<i64>().ok()).unwrap_or(0) * 1_000
+}
+
+/// Always 0 without the `faults` feature.
+#[cfg(not(feature = "faults"))]
+pub fn clock_skew_us(_name: &str) -> i64 {
+    0
+}

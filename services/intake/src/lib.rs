@@ -8,6 +8,7 @@ pub mod kinds;
 pub mod live;
 pub mod openapi;
 pub mod problem;
+pub mod sealing;
 pub mod tasks;
 pub mod timeline;
 pub mod ui;

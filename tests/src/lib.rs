@@ -107,6 +107,8 @@ pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_i
             unscheduled_after_minutes: 10,
             task_retention_days: 30,
             body_limit_bytes: 4096,
+            webhook_sealing_keys: None,
+            webhook_sealing_keys_file: None,
             admission: fenceline_intake::admission::AdmissionConfig {
                 tenant_rate_per_second: 1000.0,
                 tenant_burst: 1000,

@@ -109,7 +109,10 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
             .options([("search_path", "intake")]);
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.expect("pool");
         let tenant = fenceline_intake::auth::Tenant::parse("acme").expect("tenant");
-        fenceline_intake::webhooks::add_secret(&pool, "helpdesk", &tenant, "ticket.triage").await.expect("secret").1
+        fenceline_intake::webhooks::add_secret(&pool, "helpdesk", &tenant, "ticket.triage", None)
+            .await
+            .expect("secret")
+            .1
     };
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     let body = json!({"ticket": 7}).to_string();

@@ -99,6 +99,27 @@ pub struct IntakeConfig {
     #[arg(long = "body-limit-bytes", env = "FENCELINE_INTAKE_BODY_LIMIT_BYTES", default_value_t = 256 * 1024)]
     pub body_limit_bytes: usize,
 
+    /// Keys that seal webhook signing secrets at rest: 64 hex digits each (32
+    /// bytes, as `openssl rand -hex 32` prints), separated by commas or new lines.
+    /// The first seals, every one opens, so keys rotate (docs/deploy.md, "Sealing
+    /// webhook secrets"). Never printed. Unset: the secrets are stored in clear.
+    #[arg(
+        long = "webhook-sealing-keys",
+        env = "FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS",
+        hide_env_values = true,
+        value_parser = fenceline_config::parse_secret,
+        conflicts_with = "webhook_sealing_keys_file"
+    )]
+    pub webhook_sealing_keys: Option<fenceline_config::Secret>,
+
+    /// A file holding the sealing keys, one a line or comma separated, as a mounted Secret.
+    #[arg(
+        long = "webhook-sealing-keys-file",
+        env = "FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS_FILE",
+        value_parser = fenceline_config::read_secret_file
+    )]
+    pub webhook_sealing_keys_file: Option<fenceline_config::Secret>,
+
     #[command(flatten)]
     pub admission: admission::AdmissionConfig,
 }
@@ -114,6 +135,8 @@ struct State {
     outbox: OutboxWriter,
     kinds: Arc<kinds::KindCatalog>,
     webhook_tolerance_seconds: i64,
+    /// The keys that open sealed webhook secrets; `None`: secrets are in clear.
+    sealing: Option<Arc<sealing::SealingKeys>>,
     /// The OpenAPI document, rendered once.
     openapi: Arc<String>,
     /// The changes this instance's listener hears, for the event streams.
@@ -135,6 +158,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         .map_err(|e| Error::Config(fenceline_config::Error(e)))?;
     let idle_buckets = admission.clone();
     let webhook_tolerance_seconds = config.intake.webhook_tolerance_seconds;
+    let sealing = config.intake.sealing_keys()?.map(Arc::new);
+    let opening = sealing.clone();
     let changes = live::Changes::default();
     let streams = changes.clone();
     let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
@@ -145,6 +170,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             outbox: base.outbox.clone(),
             kinds,
             webhook_tolerance_seconds,
+            sealing: opening,
             openapi,
             changes: streams,
             stopping: base.stopping.clone(),
@@ -177,6 +203,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         }
     })
     .await?;
+    seal_webhook_secrets(&app.base.database.pool, sealing.as_deref()).await?;
     let pool = app.base.database.pool.clone();
     let schema = app.base.database.schema.as_str().to_owned();
     let listening = app.base.shutdown.child_token();
@@ -222,10 +249,44 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
 }
 
 impl IntakeConfig {
+    /// The webhook sealing keys, from the variable or the file; `None` when neither
+    /// is set. A malformed key is refused without being repeated.
+    pub fn sealing_keys(&self) -> Result<Option<sealing::SealingKeys>, fenceline_config::Error> {
+        let Some(text) = self.webhook_sealing_keys.as_ref().or(self.webhook_sealing_keys_file.as_ref()) else {
+            return Ok(None);
+        };
+        sealing::SealingKeys::parse(text)
+            .map(Some)
+            .map_err(|e| fenceline_config::Error(format!("FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS: {e}")))
+    }
+
     /// How old an accepted task may be before it must have reached the scheduler.
     pub fn unscheduled_after(&self) -> Duration {
         Duration::from_secs(self.unscheduled_after_minutes.saturating_mul(60))
     }
+}
+
+/// At start: refuses sealed rows whose key is not configured; with keys, seals every
+/// row still in clear or sealed with a key other than the first; without, warns once
+/// that the secrets are stored in clear (docs/deploy.md, "Sealing webhook secrets").
+async fn seal_webhook_secrets(pool: &PgPool, keys: Option<&sealing::SealingKeys>) -> Result<(), Error> {
+    let failed = |e: webhooks::SealingError| Error::Config(fenceline_config::Error(e.to_string()));
+    webhooks::check_keys(pool, keys).await.map_err(failed)?;
+    let Some(keys) = keys else {
+        tracing::warn!(
+            "webhook signing secrets are stored in clear: set FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS to seal them"
+        );
+        return Ok(());
+    };
+    let done = webhooks::seal_stored(pool, keys).await.map_err(|e| failed(e.into()))?;
+    tracing::info!(
+        sealed = done.sealed,
+        resealed = done.resealed,
+        unopened = done.unopened,
+        sealing_key_id = keys.sealing_id(),
+        "webhook signing secrets sealed at rest"
+    );
+    Ok(())
 }
 
 /// Logs the tasks that never reached the scheduler: ERROR, because nothing runs
@@ -617,7 +678,9 @@ async fn webhook(
     })?;
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
     let refused = |e: webhooks::SignatureError| ApiError::BadSignature(e.to_string());
-    let source = webhooks::source(&pool, &path).await?.ok_or_else(|| refused(webhooks::SignatureError::NoMatch))?;
+    let source = webhooks::source(&pool, &path, state.sealing.as_deref())
+        .await?
+        .ok_or_else(|| refused(webhooks::SignatureError::NoMatch))?;
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     let event_id = webhooks::verify(
         &source.secrets,
@@ -646,4 +709,37 @@ async fn webhook(
     // Do not change: the source is the namespace of its stored idempotency keys.
     let source_label = format!("webhook:{}", path.as_str());
     Ok(submission_answer(tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &source_label).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    const KEY: &str = "3c9a0e7d51b2f4a6c8e0d2b4f6a8c0e2d4b6f8a0c2e4d6b8f0a2c4e6d8b0f2a4";
+
+    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
+        Config::try_parse_from([&["fenceline-intake", "--database-url", "postgres://x/y"], args].concat())
+    }
+
+    #[test]
+    fn sealing_keys_come_from_the_flag_or_a_file_and_never_print() {
+        let config = parse(&["--webhook-sealing-keys", KEY]).expect("parses");
+        let keys = config.intake.sealing_keys().expect("valid").expect("set");
+        assert!(!format!("{config:?}").contains(&KEY[..16]) && !format!("{keys:?}").contains(&KEY[..16]));
+
+        let file = std::env::temp_dir().join(format!("fenceline-sealing-keys-{}", std::process::id()));
+        std::fs::write(&file, format!("{KEY}\n")).expect("write");
+        let from_file = parse(&["--webhook-sealing-keys-file", &file.display().to_string()]).expect("parses");
+        let _ = std::fs::remove_file(&file);
+        assert_eq!(from_file.intake.sealing_keys().expect("valid").expect("set").ids(), keys.ids());
+
+        assert!(parse(&[]).expect("parses").intake.sealing_keys().expect("unset").is_none());
+        let both = ["--webhook-sealing-keys", KEY, "--webhook-sealing-keys-file", "/k"];
+        assert!(parse(&both).is_err(), "one or the other");
+        let short = parse(&["--webhook-sealing-keys", &KEY[..60]]).expect("parses");
+        let refused = short.intake.sealing_keys().expect_err("too short").to_string();
+        assert!(refused.contains("60 characters") && !refused.contains(&KEY[..16]), "{refused}");
+    }
 }

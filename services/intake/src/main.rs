@@ -90,8 +90,11 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::AddWebhookSecret { source, tenant, kind } => {
             let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;
+            let keys = cli.config.intake.sealing_keys()?;
             let pool = admin_pool(&cli.config).await?;
-            let (id, secret) = fenceline_intake::webhooks::add_secret(&pool, &source, &tenant, &kind).await?;
+            fenceline_intake::webhooks::check_keys(&pool, keys.as_ref()).await?;
+            let (id, secret) =
+                fenceline_intake::webhooks::add_secret(&pool, &source, &tenant, &kind, keys.as_ref()).await?;
             #[allow(clippy::print_stdout)]
             {
                 println!("source={source} secret_id={id} secret={secret}");

@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::auth::Tenant;
+use crate::sealing::{OpenError, SealingKeys};
 
 /// Do not change: the header names and the signed text are the senders' contract.
 pub mod headers {
@@ -166,8 +167,10 @@ pub async fn set_dedupe_field(pool: &PgPool, name: &str, pointer: Option<&str>) 
     Ok(updated.rows_affected() == 1)
 }
 
-/// Looks a source up with its active secrets; `None` if unknown.
-pub async fn source(pool: &PgPool, name: &str) -> Result<Option<Source>, sqlx::Error> {
+/// Looks a source up with its active secrets; `None` if unknown. Sealed secrets are
+/// opened with `keys`; one that does not open (its key is not configured, or the
+/// value was altered or copied from another row) is left out, with a warning.
+pub async fn source(pool: &PgPool, name: &str, keys: Option<&SealingKeys>) -> Result<Option<Source>, sqlx::Error> {
     let row: Option<(String, String, Option<String>)> =
         sqlx::query_as("SELECT tenant, kind, dedupe_field FROM webhook_sources WHERE source = $1")
             .bind(name)
@@ -175,19 +178,72 @@ pub async fn source(pool: &PgPool, name: &str) -> Result<Option<Source>, sqlx::E
             .await?;
     let Some((tenant, kind, dedupe_field)) = row else { return Ok(None) };
     let Ok(tenant) = Tenant::parse(&tenant) else { return Ok(None) };
-    let secrets: Vec<String> =
-        sqlx::query_scalar("SELECT secret FROM webhook_secrets WHERE source = $1 AND retired_at IS NULL")
-            .bind(name)
-            .fetch_all(pool)
-            .await?;
-    Ok(Some(Source { tenant, kind, secrets: secrets.into_iter().map(Secret::from).collect(), dedupe_field }))
+    let rows: Vec<StoredSecret> = sqlx::query_as(
+        "SELECT secret_id, secret, sealed_secret, sealing_key_id FROM webhook_secrets \
+         WHERE source = $1 AND retired_at IS NULL",
+    )
+    .bind(name)
+    .fetch_all(pool)
+    .await?;
+    let mut secrets = Vec::with_capacity(rows.len());
+    for row in rows {
+        match row.open(name, keys) {
+            Ok(secret) => secrets.push(secret),
+            Err(e) => tracing::warn!(error = %e, "a webhook secret was left out"),
+        }
+    }
+    Ok(Some(Source { tenant, kind, secrets, dedupe_field }))
+}
+
+/// One row of `webhook_secrets`: in clear (before sealing keys were set) or sealed.
+#[derive(sqlx::FromRow)]
+struct StoredSecret {
+    secret_id: Uuid,
+    secret: Option<String>,
+    sealed_secret: Option<Vec<u8>>,
+    sealing_key_id: Option<String>,
+}
+
+impl StoredSecret {
+    fn open(self, source: &str, keys: Option<&SealingKeys>) -> Result<Secret, OpenError> {
+        match (self.sealed_secret, self.secret) {
+            (Some(sealed), _) => {
+                let key_id = self.sealing_key_id.unwrap_or_default();
+                let Some(keys) = keys else {
+                    return Err(OpenError::UnknownKey {
+                        webhook_source: source.to_owned(),
+                        secret_id: self.secret_id,
+                        key_id,
+                    });
+                };
+                keys.open(source, self.secret_id, &key_id, &sealed)
+            }
+            (None, Some(clear)) => Ok(Secret::from(clear)),
+            (None, None) => Err(OpenError::Refused {
+                webhook_source: source.to_owned(),
+                secret_id: self.secret_id,
+                key_id: String::new(),
+            }),
+        }
+    }
 }
 
 /// Adds (or re-points) a source and gives it a new secret; keeps at most two
-/// active, retiring the oldest. Returns (secret id, secret), shown once.
-pub async fn add_secret(pool: &PgPool, name: &str, tenant: &Tenant, kind: &str) -> Result<(Uuid, String), sqlx::Error> {
+/// active, retiring the oldest. With `keys` the secret is stored sealed only.
+/// Returns (secret id, secret), shown once.
+pub async fn add_secret(
+    pool: &PgPool,
+    name: &str,
+    tenant: &Tenant,
+    kind: &str,
+    keys: Option<&SealingKeys>,
+) -> Result<(Uuid, String), sqlx::Error> {
     let secret = format!("whsec_{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
     let secret_id = Uuid::now_v7();
+    let (clear, sealed) = match keys {
+        Some(keys) => (None, Some(keys.seal(name, secret_id, &secret))),
+        None => (Some(secret.as_str()), None),
+    };
     let mut tx = pool.begin().await?;
     sqlx::query("INSERT INTO tenants (tenant) VALUES ($1) ON CONFLICT DO NOTHING")
         .bind(tenant.as_str())
@@ -202,12 +258,17 @@ pub async fn add_secret(pool: &PgPool, name: &str, tenant: &Tenant, kind: &str) 
     .bind(kind)
     .execute(&mut *tx)
     .await?;
-    sqlx::query("INSERT INTO webhook_secrets (secret_id, source, secret) VALUES ($1, $2, $3)")
-        .bind(secret_id)
-        .bind(name)
-        .bind(&secret)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO webhook_secrets (secret_id, source, secret, sealed_secret, sealing_key_id) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(secret_id)
+    .bind(name)
+    .bind(clear)
+    .bind(sealed.as_ref().map(|s| s.bytes.as_slice()))
+    .bind(sealed.as_ref().map(|s| s.key_id.as_str()))
+    .execute(&mut *tx)
+    .await?;
     sqlx::query(
         "UPDATE webhook_secrets SET retired_at = now() WHERE source = $1 AND retired_at IS NULL AND secret_id NOT IN \
          (SELECT secret_id FROM webhook_secrets WHERE source = $1 AND retired_at IS NULL ORDER BY created_at DESC, secret_id DESC LIMIT 2)",
@@ -217,6 +278,102 @@ pub async fn add_secret(pool: &PgPool, name: &str, tenant: &Tenant, kind: &str) 
     .await?;
     tx.commit().await?;
     Ok((secret_id, secret))
+}
+
+/// Why intake cannot use the stored webhook secrets with the configured keys.
+#[derive(Debug, thiserror::Error)]
+pub enum SealingError {
+    #[error(
+        "intake.webhook_secrets holds {rows} sealed webhook secrets but no sealing key is configured: \
+         set FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS (or _FILE) to the keys they were sealed with (docs/deploy.md)"
+    )]
+    NoKeys { rows: i64 },
+    #[error(
+        "intake.webhook_secrets holds {rows} webhook secrets sealed with key ids {missing} that are not configured \
+         (configured: {configured}): add those keys to FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS (docs/deploy.md)"
+    )]
+    UnknownKeys { rows: i64, missing: String, configured: String },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Checks that every sealed row's key is configured; with no keys, that no row is
+/// sealed. Tells nothing of the keys but their ids.
+pub async fn check_keys(pool: &PgPool, keys: Option<&SealingKeys>) -> Result<(), SealingError> {
+    let sealed: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT coalesce(sealing_key_id, ''), count(*) FROM webhook_secrets \
+         WHERE sealed_secret IS NOT NULL GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await?;
+    let Some(keys) = keys else {
+        let rows: i64 = sealed.iter().map(|(_, n)| n).sum();
+        return if rows == 0 { Ok(()) } else { Err(SealingError::NoKeys { rows }) };
+    };
+    let missing: Vec<&(String, i64)> = sealed.iter().filter(|(id, _)| !keys.knows(id)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(SealingError::UnknownKeys {
+        rows: missing.iter().map(|(_, n)| n).sum(),
+        missing: missing.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>().join(", "),
+        configured: keys.ids().join(", "),
+    })
+}
+
+/// What [`seal_stored`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resealed {
+    /// Rows that were in clear and are now sealed.
+    pub sealed: u64,
+    /// Rows that were sealed with another configured key and are now sealed with the first.
+    pub resealed: u64,
+    /// Sealed rows that did not open (altered, or copied from another row): left as they are.
+    pub unopened: u64,
+}
+
+/// Seals, in one transaction, every row (retired ones too) still in clear or sealed
+/// with a key other than the first, so that after a start with keys every row is
+/// sealed with the first key. Call [`check_keys`] first.
+pub async fn seal_stored(pool: &PgPool, keys: &SealingKeys) -> Result<Resealed, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(String, StoredSecret)> =
+        sqlx::query_as::<_, (String, Uuid, Option<String>, Option<Vec<u8>>, Option<String>)>(
+            "SELECT source, secret_id, secret, sealed_secret, sealing_key_id FROM webhook_secrets \
+         WHERE sealed_secret IS NULL OR sealing_key_id IS DISTINCT FROM $1 OR secret IS NOT NULL FOR UPDATE",
+        )
+        .bind(keys.sealing_id())
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(source, secret_id, secret, sealed_secret, sealing_key_id)| {
+            (source, StoredSecret { secret_id, secret, sealed_secret, sealing_key_id })
+        })
+        .collect();
+    let mut done = Resealed::default();
+    for (source, row) in rows {
+        let (secret_id, was_sealed) = (row.secret_id, row.sealed_secret.is_some());
+        let secret = match row.open(&source, Some(keys)) {
+            Ok(secret) => secret,
+            Err(e) => {
+                tracing::warn!(error = %e, "a sealed webhook secret did not open and was not sealed again");
+                done.unopened += 1;
+                continue;
+            }
+        };
+        let sealed = keys.seal(&source, secret_id, secret.expose_secret());
+        sqlx::query(
+            "UPDATE webhook_secrets SET secret = NULL, sealed_secret = $2, sealing_key_id = $3 WHERE secret_id = $1",
+        )
+        .bind(secret_id)
+        .bind(&sealed.bytes)
+        .bind(&sealed.key_id)
+        .execute(&mut *tx)
+        .await?;
+        if was_sealed { done.resealed += 1 } else { done.sealed += 1 }
+    }
+    tx.commit().await?;
+    Ok(done)
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
 //! No secret leaks: the whole stack runs with known secrets — an API token, a
-//! webhook secret, a provider credential, the Kafka SASL password, the database
-//! password and the audit token — through the paths that succeed and the ones that
-//! fail (a wrong token, a bad signature, a provider refusing the credential, a
-//! database that cannot be reached, `--help`), and everything the services printed
-//! or answered, every service's `/metrics` page included, is searched for them.
+//! webhook secret (stored sealed), a provider credential, the Kafka SASL password,
+//! the database password, the audit token and the webhook sealing key — through the
+//! paths that succeed and the ones that fail (a wrong token, a bad signature, a
+//! provider refusing the credential, a database that cannot be reached, `--help`),
+//! and everything the services printed or answered, every service's `/metrics` page
+//! included, is searched for them.
 
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ const LONG: Duration = Duration::from_secs(90);
 const PROVIDER_CREDENTIAL: &str = "Bearer sk-live-provider-credential-5a7e0c";
 const AUDIT_TOKEN: &str = "audit-token-known-3f91d2b7";
 const DATABASE_PASSWORD: &str = "db-password-known-8e21c4";
+const SEALING_KEY: &str = "9d4c2b1a0f8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b4a392817060f1e";
 
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by deploy/local/stack test"))
@@ -51,6 +53,7 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
         ("FENCELINE_KAFKA_SASL_PASSWORD", kafka_password.clone()),
         ("FENCELINE_TEST_IMG_AUTHORIZATION", PROVIDER_CREDENTIAL.into()),
         ("FENCELINE_RECONCILER_AUDIT_TOKEN", AUDIT_TOKEN.into()),
+        ("FENCELINE_INTAKE_WEBHOOK_SEALING_KEYS", SEALING_KEY.into()),
         ("FENCELINE_INTAKE_KINDS", "image.generate,ticket.triage".into()),
         // Debug logs of every crate: the most a misconfigured deployment would print.
         ("RUST_LOG", "debug".into()),
@@ -101,7 +104,7 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
     seen.push_str(&answered("GET", format!("{intake}/v1/tasks/{id}"), Some(&almost)).await);
     seen.push_str(&answered("GET", format!("{intake}/v1/tasks/{id}"), None).await);
 
-    // A signed webhook, and one signed with a wrong secret.
+    // A signed webhook (its secret sealed with the intake's key), and one signed with a wrong secret.
     let webhook_secret = {
         use std::str::FromStr as _;
         let options = sqlx::postgres::PgConnectOptions::from_str(&system.url)
@@ -109,7 +112,8 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
             .options([("search_path", "intake")]);
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.expect("pool");
         let tenant = fenceline_intake::auth::Tenant::parse("acme").expect("tenant");
-        fenceline_intake::webhooks::add_secret(&pool, "helpdesk", &tenant, "ticket.triage", None)
+        let keys = fenceline_intake::sealing::SealingKeys::parse(&SEALING_KEY.to_owned().into()).expect("key");
+        fenceline_intake::webhooks::add_secret(&pool, "helpdesk", &tenant, "ticket.triage", Some(&keys))
             .await
             .expect("secret")
             .1
@@ -120,6 +124,7 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
         let id = fenceline_intake::webhooks::EventId::parse(event).expect("event id");
         let signature = fenceline_intake::webhooks::sign(secret.as_bytes(), now, &id, body.as_bytes());
         let url = format!("{intake}/v1/webhooks/helpdesk");
+        let expected = if event == "evt-ok" { "202 " } else { "401 " };
         let (body, event) = (body.clone(), event.to_owned());
         let answer = tokio::task::spawn_blocking(move || {
             let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
@@ -135,6 +140,7 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
         })
         .await
         .expect("delivery");
+        assert!(answer.starts_with(expected), "{answer}");
         seen.push_str(&format!("webhook -> {answer}\n"));
     }
 
@@ -192,6 +198,7 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
         ("the Kafka password", kafka_password.as_str()),
         ("the database password", DATABASE_PASSWORD),
         ("the audit token", AUDIT_TOKEN),
+        ("the webhook sealing key", SEALING_KEY),
     ] {
         if let Some(at) = seen.find(secret) {
             let from = seen[..at].rfind('\n').map_or(0, |n| n + 1);

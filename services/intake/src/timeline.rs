@@ -149,6 +149,17 @@ fn line(event: &Event, produced_at: Timestamp) -> Option<Line> {
                 format!("lost: its worker was last seen after {}", e.last_phase.as_str()),
             )
         },
+        Event::FencedResultReported(e) => line(
+            e.task_id,
+            e.verified_at,
+            Some(e.attempt),
+            Some(&e.step),
+            format!(
+                "a worker whose lease had been taken over verified the provider's result of operation {} (sha256 \
+                 {}); reported to its case as evidence",
+                e.operation_key, e.result.sha256
+            ),
+        ),
         Event::RecoveryDecided(e) => {
             let findings: Vec<&str> = e.evidence.iter().map(|ev| ev.finding.as_str()).collect();
             let mut detail = format!("decided {}", e.decision.as_str());

@@ -152,6 +152,10 @@ impl Handler for LifecycleEvents {
         if let Event::TaskAccepted(e) = event {
             return self.accept(tx, outbox, e).await;
         }
+        // Evidence for the reconciler's case: the task's state does not move by it.
+        if let Event::FencedResultReported(_) = event {
+            return Ok(());
+        }
         let Some(task_id) = event.task_id() else {
             return Err(HandleError::Poison(format!("{} is not about a task", event.event_type())));
         };

@@ -258,6 +258,21 @@ pub struct AttemptLost {
     pub detected_at: Timestamp,
 }
 
+/// A worker that lost its lease had already fetched and verified its call's
+/// result: it may not record it, so it hands it to the reconciler as evidence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FencedResultReported {
+    pub task_id: TaskId,
+    pub attempt: i32,
+    pub grant_id: GrantId,
+    pub fencing_token: i64,
+    pub step: String,
+    pub operation_key: String,
+    pub provider_request_id: Option<String>,
+    pub result: ArtifactRef,
+    pub verified_at: Timestamp,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecoveryDecided {
     pub task_id: TaskId,
@@ -357,6 +372,7 @@ events!(
     AttemptFailed,
     AttemptReleased,
     AttemptLost,
+    FencedResultReported,
     RecoveryDecided,
     TaskStatus,
     DeadLetter,
@@ -384,6 +400,7 @@ impl Event {
             Event::AttemptFailed(e) => e.task_id,
             Event::AttemptReleased(e) => e.task_id,
             Event::AttemptLost(e) => e.task_id,
+            Event::FencedResultReported(e) => e.task_id,
             Event::RecoveryDecided(e) => e.task_id,
             Event::TaskStatus(e) => e.task_id,
         })

@@ -192,6 +192,18 @@ fn samples() -> Vec<Event> {
             detected_at: at(60),
         }
         .into(),
+        FencedResultReported {
+            task_id: task(),
+            attempt: 2,
+            grant_id: grant(),
+            fencing_token: 3,
+            step: "render".into(),
+            operation_key: "5f2b1c".into(),
+            provider_request_id: Some("req-991".into()),
+            result: artifact(),
+            verified_at: at(59),
+        }
+        .into(),
         RecoveryDecided {
             task_id: task(),
             attempt: 2,

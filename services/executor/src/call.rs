@@ -16,7 +16,7 @@ use fenceline_bus::fault;
 use fenceline_config::catalog::StepSpec;
 use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, ProviderAccepted};
+use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted};
 use fenceline_providers::{CallAnswer, HttpProvider, Lookup, ProviderResult, VerifyError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -212,7 +212,9 @@ impl Workers {
         let mut tries = 0u32;
         loop {
             // A worker that lost the execution stops asking: the new holder decides.
-            if lease.fenced() {
+            // A result already in hand is still verified: it cannot be recorded,
+            // but it is reported as evidence (`record_result`).
+            if lease.fenced() && !matches!(answer, CallAnswer::Done { .. }) {
                 return Err(Stop::Fenced);
             }
             match answer {
@@ -285,6 +287,8 @@ impl Workers {
     /// Verifies and checkpoints a result. A download that fails is tried again
     /// within the attempt budget (it is free); bytes that do not match end the
     /// attempt as `result_mismatch`, and so does an artifact that stays unreachable.
+    /// A worker fenced meanwhile reports the verified result instead
+    /// (docs/decisions.md, item 15).
     async fn record_result(
         &self,
         lease: &mut Lease,
@@ -324,7 +328,27 @@ impl Workers {
         }
         let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
         let output = serde_json::to_value(&artifact).unwrap_or_default();
-        self.checkpoint(lease, call.step, &output, Some(&artifact.sha256)).await?;
+        match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256)).await {
+            Ok(()) => {}
+            Err(Stop::Fenced) => {
+                // Another worker holds the execution and the reconciler has the case:
+                // the verified result goes there as evidence, not into the checkpoints.
+                let report = FencedResultReported {
+                    task_id: lease.task_id,
+                    attempt: lease.attempt,
+                    grant_id: lease.grant_id,
+                    fencing_token: lease.token,
+                    step: call.step.to_owned(),
+                    operation_key: call.key.to_owned(),
+                    provider_request_id: Some(request_id.to_owned()),
+                    result: artifact,
+                    verified_at: crate::clock::now(),
+                };
+                self.report(lease, &Event::FencedResultReported(report)).await;
+                return Err(Stop::Fenced);
+            }
+            Err(e) => return Err(e),
+        }
         fault!("executor.after_result_recorded");
         Ok(Some(artifact))
     }

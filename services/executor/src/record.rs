@@ -250,6 +250,40 @@ impl Workers {
             if token == lease.token && phase == t.phase.as_str() && status == t.status.as_str())
     }
 
+    /// Publishes what a fenced worker knows (an evidence event, no phase): the
+    /// execution is another worker's, so nothing but the outbox row is written.
+    /// Tried again on a database error until the attempt budget ends; given up
+    /// then with a warning, as the case keeps the evidence it has.
+    pub(crate) async fn report(&self, lease: &Lease, event: &Event) {
+        let mut tries = 0u32;
+        loop {
+            let written: Result<(), Stop> = async {
+                let mut tx = self.pool.begin().await?;
+                self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+            .await;
+            match written {
+                Ok(()) => {
+                    self.outbox.committed();
+                    info!(task_id = %lease.task_id, event_type = event.event_type(), "a fenced worker reported what it knows");
+                    return;
+                }
+                Err(e) if Instant::now() < lease.writes_until => {
+                    let wait = WRITE_RETRY.delay(tries, None, 0.5 + jitter() / 2.0);
+                    warn!(task_id = %lease.task_id, error = %e, ?wait, "a fenced worker's report failed; trying again");
+                    tokio::time::sleep(wait).await;
+                    tries += 1;
+                }
+                Err(e) => {
+                    warn!(task_id = %lease.task_id, error = %e, "a fenced worker's report could not be written");
+                    return;
+                }
+            }
+        }
+    }
+
     /// Ends the attempt as failed with `class`. `new_key`: the provider certainly
     /// did nothing with the key this call used, so the next try gets a new one.
     pub(crate) async fn fail(

@@ -286,6 +286,46 @@ pub fn after_lookup(
     }
 }
 
+/// Where a case stands when a fenced worker's verified result reaches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaseStanding {
+    /// Still asking the provider.
+    Asking,
+    /// Decided `outcome_unknown`: waiting for a person.
+    OutcomeUnknown,
+    /// Decided otherwise (a retry, a recovery, a person's case).
+    Decided,
+}
+
+/// What a verified result a fenced worker reported does to its attempt's case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterFencedResult {
+    /// The result of the very call in doubt, verified: the work is done and paid
+    /// for once; recover it, with no second call (as a look-up that finds it).
+    Recover,
+    /// The result of a step before the kind's last call: resuming from it is not
+    /// automated, a person decides with the result among the evidence.
+    NeedsHuman,
+    /// Shown to the person the case waits for, with nothing decided by it.
+    ShowThePerson,
+    /// Kept among the case's evidence only: the case was decided already, or the
+    /// result is of another operation than the one in doubt.
+    EvidenceOnly,
+}
+
+/// The recovery table's row for a fenced worker's verified result
+/// (docs/execution.md, "Reconciler: evidence, then a decision"). `same_call`: the
+/// report names the case's step and operation key; `last_call`: that step is the
+/// kind's last call.
+pub fn after_fenced_result(standing: CaseStanding, same_call: bool, last_call: bool) -> AfterFencedResult {
+    match (standing, same_call, last_call) {
+        (_, false, _) | (CaseStanding::Decided, _, _) => AfterFencedResult::EvidenceOnly,
+        (CaseStanding::Asking | CaseStanding::OutcomeUnknown, true, true) => AfterFencedResult::Recover,
+        (CaseStanding::Asking, true, false) => AfterFencedResult::NeedsHuman,
+        (CaseStanding::OutcomeUnknown, true, false) => AfterFencedResult::ShowThePerson,
+    }
+}
+
 /// Exponential backoff with full jitter, capped, honouring `Retry-After`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {
@@ -503,6 +543,24 @@ mod tests {
         assert_eq!(after_loss(Phase::CallIntent, false, caps(false, false)), AfterLoss::OutcomeUnknown);
         assert_eq!(after_loss(Phase::ProviderAccepted, true, caps(false, false)), AfterLoss::OutcomeUnknown);
         assert_eq!(after_loss(Phase::ResultRecorded, true, caps(false, false)), AfterLoss::FinishRecorded);
+    }
+
+    #[test]
+    fn a_fenced_workers_verified_result_recovers_only_the_call_in_doubt_of_an_open_case() {
+        use AfterFencedResult::*;
+        use CaseStanding::*;
+        assert_eq!(after_fenced_result(Asking, true, true), Recover);
+        assert_eq!(after_fenced_result(OutcomeUnknown, true, true), Recover);
+        assert_eq!(after_fenced_result(Asking, true, false), NeedsHuman);
+        assert_eq!(after_fenced_result(OutcomeUnknown, true, false), ShowThePerson);
+        for standing in [Asking, OutcomeUnknown, Decided] {
+            for last in [true, false] {
+                assert_eq!(after_fenced_result(standing, false, last), EvidenceOnly, "another operation's result");
+                if standing == Decided {
+                    assert_eq!(after_fenced_result(standing, true, last), EvidenceOnly, "decided already");
+                }
+            }
+        }
     }
 
     #[test]

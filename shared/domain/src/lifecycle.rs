@@ -343,13 +343,33 @@ impl Task {
                 self.recovered(decision, result, case_id, jitter, now, policy);
             }
             // The decision outran the loss it answers: keep it for when the loss arrives.
+            // A recovery of the case kept early supersedes the case's first decision
+            // (a fenced worker's verified result, after `outcome_unknown`).
             Input::Recovery { attempt, decision, result, case_id, jitter }
                 if decision != RecoveryDecision::ReissueGrant
                     && attempt == self.attempt
                     && self.live_grant.is_some()
-                    && self.early_decision.is_none() =>
+                    && self.early_decision.as_ref().is_none_or(|early| {
+                        decision == RecoveryDecision::Recovered && case_id.is_some() && early.case_id == case_id
+                    }) =>
             {
                 self.early_decision = Some(EarlyDecision { attempt, decision, result, case_id, jitter });
+            }
+            // The case a person was to decide got proof after all: a verified result
+            // of the call in doubt (docs/decisions.md, item 15). Nothing is called again.
+            Input::Recovery {
+                attempt, decision: RecoveryDecision::Recovered, result: Some(result), case_id, ..
+            } if self.state == TaskState::OutcomeUnknown
+                && attempt == self.attempt
+                && case_id.is_some()
+                && self.case_id == case_id =>
+            {
+                self.result = Some(result);
+                self.finish(
+                    TaskState::Succeeded,
+                    "result recovered after the outcome was reported unknown: a result of the call in doubt, \
+                     verified against its checksum, shows the provider did the work; no second call",
+                );
             }
             Input::CancelRequested => self.cancel(effects),
             Input::Signal { signal_id, .. } if self.signal_seen(&signal_id) => {}
@@ -825,6 +845,60 @@ mod tests {
         let later = run(&task, vec![Input::Grant { grant_id: grant(2) }], i64::MAX / 2).0;
         let stale = run(&later, vec![recovery(1, RecoveryDecision::Recovered, None)], 0).0;
         assert_eq!(stale, later);
+    }
+
+    #[test]
+    fn a_verified_result_for_the_open_case_ends_outcome_unknown_as_succeeded_and_nothing_else_does() {
+        let art = Artifact { uri: "u".into(), sha256: "s".into(), size_bytes: 1 };
+        let recovered = |case: &str| Input::Recovery {
+            attempt: 1,
+            decision: RecoveryDecision::Recovered,
+            result: Some(art.clone()),
+            case_id: Some(case.to_owned()),
+            jitter: 0.0,
+        };
+        let lost = Input::Lost { grant_id: grant(1), phase: Phase::ProviderAccepted };
+        let unknown = run(
+            &Task::accepted(0, None, None),
+            vec![
+                Input::Grant { grant_id: grant(1) },
+                lost.clone(),
+                recovery(1, RecoveryDecision::OutcomeUnknown, Some("c1")),
+            ],
+            0,
+        )
+        .0;
+        assert_eq!(unknown.state, TaskState::OutcomeUnknown);
+
+        let (task, effects) = run(&unknown, vec![recovered("c1")], 0);
+        assert_eq!((task.state, task.result.as_ref()), (TaskState::Succeeded, Some(&art)));
+        assert!(effects.is_empty(), "nothing is dispatched again: {effects:?}");
+        assert!(task.reason.as_deref().unwrap_or_default().contains("no second call"), "{:?}", task.reason);
+
+        // Another case's recovery, or one without a result, moves nothing; nor does
+        // one that arrives after a person already chose a new operation.
+        assert_eq!(run(&unknown, vec![recovered("c0")], 0).0, unknown);
+        let no_result = Input::Recovery {
+            attempt: 1,
+            decision: RecoveryDecision::Recovered,
+            result: None,
+            case_id: Some("c1".into()),
+            jitter: 0.0,
+        };
+        assert_eq!(run(&unknown, vec![no_result], 0).0, unknown);
+        let retried = run(
+            &unknown,
+            vec![Input::Resolution { case_id: "c1".into(), action: ResolutionAction::RetryAsNew, result: None }],
+            0,
+        )
+        .0;
+        assert_eq!(run(&retried, vec![recovered("c1")], 0).0, retried);
+
+        // Both decisions heard before the loss: the recovery supersedes the first.
+        let granted = run(&Task::accepted(0, None, None), vec![Input::Grant { grant_id: grant(1) }], 0).0;
+        let early = vec![recovery(1, RecoveryDecision::OutcomeUnknown, Some("c1")), recovered("c1"), lost];
+        let task = run(&granted, early, 0).0;
+        assert_eq!((task.state, task.result.as_ref()), (TaskState::Succeeded, Some(&art)));
     }
 
     fn waiting_for_approval(signals_first: Vec<Input>) -> Task {

@@ -48,7 +48,6 @@ struct AskRow {
     asked: i32,
     ask_until_us: i64,
     never_received_counts_from_us: i64,
-    evidence: sqlx::types::Json<Vec<Evidence>>,
     /// The trace of the task, as the event that opened the case carried it.
     traceparent: Option<String>,
 }
@@ -204,7 +203,7 @@ impl Reconciler {
                  AND NOT (coalesce(provider, '') = ANY($3)) \
                  ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
              RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, \
-                       never_received_counts_from_us, evidence, traceparent",
+                       never_received_counts_from_us, traceparent",
         )
         .bind(now)
         .bind(now + 30_000_000)
@@ -227,8 +226,9 @@ impl Reconciler {
             _ => (Judged::NoAnswer, evidence("reconciler", "no provider or operation key to ask with")),
         };
         found.observed_at = Timestamp::now();
-        let mut all = case.evidence.0.clone();
-        all.push(found);
+        // Only what this look-up found is appended: a fenced worker's report may
+        // have reached the case while the provider was asked.
+        let mut all = vec![found];
         let backoff = Backoff {
             base: Duration::from_millis(self.settings.ask_base_ms),
             cap: Duration::from_millis(self.settings.ask_cap_ms),
@@ -299,7 +299,8 @@ impl Reconciler {
             }
             (AfterLookup::AskAgainIn(wait), _) => {
                 sqlx::query(
-                    "UPDATE cases SET asked = asked + 1, next_ask_at_us = $2, evidence = $3 WHERE case_id = $1",
+                    "UPDATE cases SET asked = asked + 1, next_ask_at_us = $2, evidence = evidence || $3 \
+                     WHERE case_id = $1 AND state = 'asking'",
                 )
                 .bind(case.case_id)
                 .bind(Timestamp::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX / 4))
@@ -311,21 +312,20 @@ impl Reconciler {
             (AfterLookup::Recover, _) => (None, None, None),
         };
         if let Some(decision) = decision {
-            let updated = sqlx::query(
-                "UPDATE cases SET state = 'decided', decision = $2, evidence = $3, decided_at = now() \
-                 WHERE case_id = $1 AND state = 'asking'",
+            let updated: Option<sqlx::types::Json<Vec<Evidence>>> = sqlx::query_scalar(
+                "UPDATE cases SET state = 'decided', decision = $2, evidence = evidence || $3, decided_at = now() \
+                 WHERE case_id = $1 AND state = 'asking' RETURNING evidence",
             )
             .bind(case.case_id)
             .bind(decision.as_str())
             .bind(sqlx::types::Json(&all))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if updated == 1 {
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(all) = updated {
                 let decided = fenceline_events::RecoveryDecided {
                     case_id: case_ref,
                     result,
-                    ..recovery(task_id, case.attempt, decision, all)
+                    ..recovery(task_id, case.attempt, decision, all.0)
                 };
                 decide(&mut tx, &self.outbox, decided).await?;
                 info!(%task_id, attempt = case.attempt, %decision, "case decided on the provider's evidence");
@@ -337,10 +337,7 @@ impl Reconciler {
     }
 
     fn is_last_call(&self, kind: &str, step: Option<&str>) -> bool {
-        let Some(kind) = self.catalog.kind(kind) else {
-            return true;
-        };
-        kind.steps.iter().rev().find(|s| s.call().is_some()).map(|s| s.name.as_str()) == step
+        crate::watches::is_last_call(&self.catalog, kind, step)
     }
 
     async fn judge(&self, provider: &HttpProvider, lookup: Lookup) -> (Judged, Evidence) {

@@ -1,16 +1,17 @@
 //! The reconciler's consumer: keeps expectations from what it sees on the
 //! dispatch and attempts topics (a grant must be claimed in time; an attempt that
 //! ended without a clean result needs a decision) and opens a case for every
-//! attempt lost or ambiguous after its call intent.
+//! attempt lost or ambiguous after its call intent, to which a fenced worker's
+//! verified result is added as evidence (and by which it may be decided).
 
 use std::sync::Arc;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
-use fenceline_domain::calls::{AfterLoss, after_loss};
+use fenceline_domain::calls::{AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss};
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
-use fenceline_events::{Event, Evidence, RecoveryDecided, Timestamp, topics};
+use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
 use sqlx::PgConnection;
 use tokio::sync::Notify;
 
@@ -178,8 +179,190 @@ impl Watches {
         } else {
             self.wake.notify_one();
         }
+        // A fenced worker's report that outran the loss it follows.
+        self.apply_kept_fenced_results(tx, outbox, lost.task_id, lost.attempt).await
+    }
+}
+
+impl Watches {
+    /// A worker whose lease had been taken over fetched and verified its call's
+    /// result, but could not record it: evidence for the attempt's case, kept once
+    /// per attempt and step (a report delivered or written twice adds nothing) and
+    /// applied now, or when the case opens if it is not there yet.
+    async fn fenced_result(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        e: &FencedResultReported,
+    ) -> Result<(), HandleError> {
+        let report = serde_json::to_value(e).map_err(|e| HandleError::Poison(e.to_string()))?;
+        let kept = sqlx::query(
+            "INSERT INTO fenced_results (task_id, attempt, step, operation_key, report) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (task_id, attempt, step) DO NOTHING",
+        )
+        .bind(e.task_id.as_uuid())
+        .bind(e.attempt)
+        .bind(&e.step)
+        .bind(&e.operation_key)
+        .bind(report)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if kept == 0 {
+            tracing::info!(task_id = %e.task_id, attempt = e.attempt, step = %e.step,
+                "a fenced worker's verified result was heard before; nothing added");
+            return Ok(());
+        }
+        self.apply_fenced_result(tx, outbox, e).await
+    }
+
+    /// Applies the reports kept for an attempt whose case just opened.
+    async fn apply_kept_fenced_results(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        task_id: TaskId,
+        attempt: i32,
+    ) -> Result<(), HandleError> {
+        let kept: Vec<sqlx::types::Json<FencedResultReported>> = sqlx::query_scalar(
+            "SELECT report FROM fenced_results WHERE task_id = $1 AND attempt = $2 ORDER BY heard_at",
+        )
+        .bind(task_id.as_uuid())
+        .bind(attempt)
+        .fetch_all(&mut *tx)
+        .await?;
+        for report in kept {
+            self.apply_fenced_result(tx, outbox, &report.0).await?;
+        }
         Ok(())
     }
+
+    /// Adds the report to its case's evidence and decides by the recovery table's
+    /// row for it (`fenceline_domain::calls::after_fenced_result`): the verified
+    /// result of the very call in doubt recovers the task with no second call,
+    /// whether the case was still asking or waiting for a person as
+    /// `outcome_unknown`.
+    async fn apply_fenced_result(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        e: &FencedResultReported,
+    ) -> Result<(), HandleError> {
+        type CaseRow = (uuid::Uuid, String, Option<String>, Option<String>, String, Option<String>);
+        let case: Option<CaseRow> = sqlx::query_as(
+            "SELECT case_id, kind, step, operation_key, state, decision FROM cases \
+             WHERE task_id = $1 AND attempt = $2 FOR UPDATE",
+        )
+        .bind(e.task_id.as_uuid())
+        .bind(e.attempt)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((case_id, kind, step, operation_key, state, decision)) = case else {
+            tracing::info!(task_id = %e.task_id, attempt = e.attempt,
+                "a fenced worker's verified result kept until its attempt's case opens");
+            return Ok(());
+        };
+        let standing = match (state.as_str(), decision.as_deref()) {
+            ("asking", _) => CaseStanding::Asking,
+            (_, Some(d)) if d == RecoveryDecision::OutcomeUnknown.as_str() => CaseStanding::OutcomeUnknown,
+            _ => CaseStanding::Decided,
+        };
+        let same_call = step.as_deref() == Some(e.step.as_str()) && operation_key.as_deref() == Some(&e.operation_key);
+        let last_call = is_last_call(&self.catalog, &kind, Some(&e.step));
+        let mut found = vec![evidence(
+            "executor",
+            format!(
+                "a worker whose lease had been taken over (fencing token {}) received the provider's result of \
+                 step `{}`, operation {}{}, and verified it against its checksum at {}: {} (sha256 {}, {} bytes)",
+                e.fencing_token,
+                e.step,
+                e.operation_key,
+                e.provider_request_id.as_deref().map(|r| format!(" (provider request id {r})")).unwrap_or_default(),
+                e.verified_at.to_rfc3339(),
+                e.result.uri,
+                e.result.sha256,
+                e.result.size_bytes,
+            ),
+        )];
+        let (decided, result) = match after_fenced_result(standing, same_call, last_call) {
+            AfterFencedResult::Recover => {
+                found.push(evidence(
+                    "reconciler",
+                    "the verified result is of the call in doubt: the provider did that work; the task is recovered \
+                     with it, with no second call",
+                ));
+                (Some(RecoveryDecision::Recovered), Some(e.result.clone()))
+            }
+            AfterFencedResult::NeedsHuman => {
+                found.push(evidence(
+                    "reconciler",
+                    "the provider did the step's work and its result is verified, but resuming a multi-step task \
+                     from a recovered step is not automated",
+                ));
+                (Some(RecoveryDecision::NeedsHuman), None)
+            }
+            AfterFencedResult::ShowThePerson => {
+                found.push(evidence(
+                    "reconciler",
+                    format!(
+                        "the provider did the work of step `{}` and its result is verified (it need not be paid for \
+                         again), but the kind has later steps: attaching it as the task's result would skip them",
+                        e.step
+                    ),
+                ));
+                (Some(RecoveryDecision::OutcomeUnknown), None)
+            }
+            AfterFencedResult::EvidenceOnly => {
+                let why = if same_call {
+                    format!(
+                        "the case was decided already ({}); the result is kept as evidence",
+                        decision.as_deref().unwrap_or("?")
+                    )
+                } else {
+                    format!(
+                        "the result is of operation {} at step `{}`, not of the call in doubt ({} at `{}`); kept as \
+                         evidence only",
+                        e.operation_key,
+                        e.step,
+                        operation_key.as_deref().unwrap_or("?"),
+                        step.as_deref().unwrap_or("?")
+                    )
+                };
+                found.push(evidence("reconciler", why));
+                (None, None)
+            }
+        };
+        let all: sqlx::types::Json<Vec<Evidence>> = sqlx::query_scalar(
+            "UPDATE cases SET evidence = evidence || $2, state = CASE WHEN $3::text IS NULL THEN state ELSE 'decided' \
+             END, decision = coalesce($3, decision), decided_at = CASE WHEN $3::text IS NULL THEN decided_at \
+             ELSE now() END WHERE case_id = $1 RETURNING evidence",
+        )
+        .bind(case_id)
+        .bind(sqlx::types::Json(&found))
+        .bind(decided.map(|d| d.as_str()))
+        .fetch_one(&mut *tx)
+        .await?;
+        if let Some(decision) = decided {
+            let decided = RecoveryDecided {
+                case_id: Some(case_id.to_string()),
+                result,
+                ..recovery(e.task_id, e.attempt, decision, all.0)
+            };
+            decide(tx, outbox, decided).await?;
+        }
+        tracing::info!(task_id = %e.task_id, attempt = e.attempt, ?standing, ?decided,
+            "a fenced worker's verified result added to its case's evidence");
+        Ok(())
+    }
+}
+
+/// Whether `step` is the kind's last step that calls a provider (an unknown kind:
+/// taken as one call).
+pub fn is_last_call(catalog: &Catalog, kind: &str, step: Option<&str>) -> bool {
+    let Some(kind) = catalog.kind(kind) else {
+        return true;
+    };
+    kind.steps.iter().rev().find(|s| s.call().is_some()).map(|s| s.name.as_str()) == step
 }
 
 impl Handler for Watches {
@@ -303,6 +486,7 @@ impl Handler for Watches {
                 };
                 self.open_case(tx, outbox, lost).await?;
             }
+            Event::FencedResultReported(e) => self.fenced_result(tx, outbox, e).await?,
             other => {
                 return Err(HandleError::Poison(format!("the reconciler does not take {}", other.event_type())));
             }

@@ -498,3 +498,84 @@ async fn a_retry_as_new_asks_a_provider_that_can_be_asked_again_and_pays_nothing
     system.wait_state(task, &["succeeded"], LONG).await;
     assert_eq!(calls(&system, "img").await, (1, 1), "the look-up found the work done: nothing sent or paid again");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_a_stale_worker_verified_after_a_takeover_recovers_its_outcome_unknown_case_without_a_second_charge() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    // Worker A is held up once right after the provider answered: it has the result
+    // in hand, not yet verified or recorded, when its process is stopped there.
+    let held = [("FAILPOINTS", "executor.after_provider_answer=1*sleep(5000)".to_owned())];
+    system.spawn("executor-a", "executor", &held).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a stale shoe"})).await;
+    wait_until_the_call_left(&system).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    system.service("executor-a").signal("STOP");
+
+    // B takes the expired lease over after `call_intent` and reports the attempt
+    // lost: at a provider that can neither dedupe nor be asked, nobody knows yet.
+    system.spawn("executor-b", "executor", &[]).await;
+    system.wait_state(task, &["outcome_unknown", "succeeded", "failed", "needs_human"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "outcome_unknown", "{reason:?}\n{}", system.logs());
+
+    // A comes back, verifies the result, is refused its checkpoint and reports it.
+    system.service("executor-a").signal("CONT");
+    assert!(
+        system.service("executor-a").wait_for_line("write rejected: fenced", Duration::from_secs(30)).await,
+        "the stale worker's checkpoint must be refused:\n{}",
+        system.service("executor-a").all_lines()
+    );
+    system.wait_state(task, &["succeeded", "failed", "needs_human"], Duration::from_secs(30)).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    let reason = reason.unwrap_or_default();
+    assert_eq!(state, "succeeded", "{reason}\n{}", system.logs());
+    assert!(
+        reason.contains("verified") && reason.contains("no second call"),
+        "the reason says what is proven: {reason}"
+    );
+    assert_eq!(calls(&system, "img").await, (1, 1), "the provider was called and charged once");
+
+    // The provider's own account of the operation is the result the task ended with.
+    let log = system.provider("img").calls().await;
+    let request_id = log[0]["request_id"].as_str().expect("request id").to_owned();
+    let (_, operation) = fenceline_tests::system::http(
+        "GET",
+        format!("{}/v1/operations/{request_id}", system.provider("img").base),
+        None,
+    )
+    .await
+    .expect("operation");
+    let sha256 = operation["result"]["sha256"].as_str().expect("sha256").to_owned();
+    let kept: Option<String> =
+        sqlx::query_scalar("SELECT lifecycle->'result'->>'sha256' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("task result");
+    assert_eq!(kept.as_deref(), Some(sha256.as_str()), "the task's result is the provider's");
+
+    // The case records the evidence and the decision it led to.
+    let (decision, evidence): (Option<String>, serde_json::Value) =
+        sqlx::query_as("SELECT decision, evidence FROM reconciler.cases WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("case");
+    assert_eq!(decision.as_deref(), Some("recovered"), "{evidence}");
+    let findings: Vec<&str> = evidence.as_array().into_iter().flatten().filter_map(|e| e["finding"].as_str()).collect();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f.contains("lease had been taken over") && f.contains("verified") && f.contains(&sha256)),
+        "the stale worker's verified result is in the case's evidence: {findings:#?}"
+    );
+    let (token, status): (i64, String) =
+        sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&system.pool)
+            .await
+            .expect("execution");
+    assert_eq!((token, status.as_str()), (2, "lost"), "the taker-over's claim stands; the stale worker wrote no phase");
+}

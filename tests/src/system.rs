@@ -602,6 +602,15 @@ impl System {
             .await;
     }
 
+    /// The fencing token and status of the task's execution (a task of one grant).
+    pub async fn execution(&self, task: TaskId) -> (i64, String) {
+        sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&self.pool)
+            .await
+            .expect("execution")
+    }
+
     /// The scheduler's state of a task and its reason.
     pub async fn state(&self, task: TaskId) -> Option<(String, Option<String>)> {
         sqlx::query_as("SELECT state, lifecycle->>'reason' FROM scheduler.tasks WHERE task_id = $1")

@@ -7,7 +7,6 @@
 
 use std::time::Duration;
 
-use fenceline_domain::ids::TaskId;
 use fenceline_events::Timestamp;
 use fenceline_tests::system::{Caps, System};
 use serde_json::json;
@@ -18,15 +17,6 @@ const LONG: Duration = Duration::from_secs(90);
 async fn calls(system: &System, provider: &str) -> (usize, usize) {
     let p = system.provider(provider);
     (p.charges().await, p.calls().await.len())
-}
-
-/// The fencing token and status of the task's execution.
-async fn execution(system: &System, task: TaskId) -> (i64, String) {
-    sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
-        .bind(task.as_uuid())
-        .fetch_one(&system.pool)
-        .await
-        .expect("execution")
 }
 
 /// Waits until `provider` has received a call.
@@ -55,7 +45,7 @@ async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_an
     system.wait_state(task, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
     let (state, reason) = system.state(task).await.expect("task");
     assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
-    assert_eq!(execution(&system, task).await, (1, "succeeded".to_owned()), "A kept its lease: no takeover");
+    assert_eq!(system.execution(task).await, (1, "succeeded".to_owned()), "A kept its lease: no takeover");
     assert_eq!(system.service("executor-b").lines_with("took over").len(), 0, "B took nothing over");
     assert_eq!(calls(&system, "img").await, (1, 1));
 
@@ -65,7 +55,7 @@ async fn an_executor_whose_clock_is_minutes_ahead_takes_over_no_healthy_lease_an
     system.wait_state(own, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
     let (state, reason) = system.state(own).await.expect("task");
     assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
-    assert_eq!(execution(&system, own).await, (1, "succeeded".to_owned()), "B's own lease was never taken");
+    assert_eq!(system.execution(own).await, (1, "succeeded".to_owned()), "B's own lease was never taken");
     assert_eq!(calls(&system, "img").await, (2, 2), "one charged call per task");
 }
 
@@ -231,7 +221,7 @@ async fn a_verified_result_whose_checkpoint_meets_a_database_outage_longer_than_
     let (state, reason) = system.state(task).await.expect("task");
     assert_eq!(state, "succeeded", "{reason:?}\n{}", system.logs());
     assert!(cut >= 2, "the checkpoint write was cut {cut} times");
-    assert_eq!(execution(&system, task).await, (1, "succeeded".to_owned()), "the worker recorded it: no takeover");
+    assert_eq!(system.execution(task).await, (1, "succeeded".to_owned()), "the worker recorded it: no takeover");
     assert_eq!(calls(&system, "img").await, (1, 1), "one call in all");
 }
 

@@ -180,12 +180,7 @@ async fn a_stale_worker_returning_after_a_takeover_is_fenced_and_the_call_log_ag
         system.service("executor-a").all_lines()
     );
     assert_eq!(calls(&system, "img").await, (1, 1), "one call: the stale worker's result was not a second one");
-    let (worker_token, status): (i64, String) =
-        sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
-            .bind(task.as_uuid())
-            .fetch_one(&system.pool)
-            .await
-            .expect("execution");
+    let (worker_token, status) = system.execution(task).await;
     assert_eq!((worker_token, status.as_str()), (2, "lost"), "the taker-over's claim stands");
     let (state, _) = system.state(task).await.expect("task");
     assert_eq!(state, "succeeded", "the stale worker changed nothing");
@@ -571,11 +566,6 @@ async fn a_result_a_stale_worker_verified_after_a_takeover_recovers_its_outcome_
             .any(|f| f.contains("lease had been taken over") && f.contains("verified") && f.contains(&sha256)),
         "the stale worker's verified result is in the case's evidence: {findings:#?}"
     );
-    let (token, status): (i64, String) =
-        sqlx::query_as("SELECT fencing_token, status FROM executor.executions WHERE task_id = $1")
-            .bind(task.as_uuid())
-            .fetch_one(&system.pool)
-            .await
-            .expect("execution");
+    let (token, status) = system.execution(task).await;
     assert_eq!((token, status.as_str()), (2, "lost"), "the taker-over's claim stands; the stale worker wrote no phase");
 }

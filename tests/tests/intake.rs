@@ -1075,7 +1075,7 @@ async fn the_api_keeps_to_its_openapi_document_under_schemathesis() {
     let document = call("GET", format!("{}/v1/openapi.json", intake.base), None, None, None).await;
     assert_eq!(document.status, 200);
     assert_eq!(document.body["openapi"], "3.1.0");
-    let examples = std::env::var("FENCELINE_SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "40".into());
+    let examples = std::env::var("FENCELINE_SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "20".into());
     let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/schemathesis.toml");
     let output = tokio::process::Command::new(schemathesis)
         .arg("--config-file")

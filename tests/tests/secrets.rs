@@ -168,14 +168,22 @@ async fn no_secret_appears_in_any_log_answer_or_help_text() {
     let mut settings = system.env.clone();
     settings.extend(secret_settings.iter().cloned());
     let unreachable = format!("postgres://fenceline:{DATABASE_PASSWORD}@127.0.0.1:{}/fenceline", free_port());
-    for service in ["intake", "scheduler", "executor", "reconciler"] {
-        let mut failing = settings.clone();
-        failing.push(("FENCELINE_DATABASE_URL", unreachable.clone()));
-        failing.push(("FENCELINE_HTTP_ADDR", "127.0.0.1:0".into()));
-        let mut proc = Proc::spawn(&host_binary(), &[service], &failing);
+    // All four at once: each waits for its connection attempts to fail.
+    let mut failing_services: Vec<_> = ["intake", "scheduler", "executor", "reconciler"]
+        .into_iter()
+        .map(|service| {
+            let mut failing = settings.clone();
+            failing.push(("FENCELINE_DATABASE_URL", unreachable.clone()));
+            failing.push(("FENCELINE_HTTP_ADDR", "127.0.0.1:0".into()));
+            (service, Proc::spawn(&host_binary(), &[service], &failing))
+        })
+        .collect();
+    for (service, proc) in &mut failing_services {
         let exit = proc.wait_exit(Duration::from_secs(60)).await;
         assert!(exit.is_some_and(|s| !s.success()), "{service} ran without its database:\n{}", proc.all_lines());
         seen.push_str(&proc.all_lines());
+    }
+    for service in ["intake", "scheduler", "executor", "reconciler"] {
         let help = std::process::Command::new(host_binary())
             .args([service, "--help"])
             .envs(settings.iter().map(|(k, v)| (*k, v.as_str())))

@@ -211,3 +211,33 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
         "a one-step task costs {per_task:.2} commits, over the budget of {COMMITS_PER_TASK_BUDGET}"
     );
 }
+
+/// An idle executor looks for work once per poll interval, not once per worker: one
+/// idle worker looks on a timer and the others wait until a grant or a worker that
+/// found work wakes them (docs/performance.md, "Background work").
+#[allow(clippy::print_stdout)] // the claims a second are the test's figure
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_executor_looks_for_work_once_per_poll_interval_not_once_per_worker() {
+    const WORKERS: usize = 8;
+    const POLL: Duration = Duration::from_millis(250);
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let settings = [
+        ("RUST_LOG", "info,sqlx::query=trace,rdkafka=warn".to_owned()),
+        ("FENCELINE_EXECUTOR_WORKERS", WORKERS.to_string()),
+        ("FENCELINE_EXECUTOR_IDLE_POLL_MS", POLL.as_millis().to_string()),
+    ];
+    system.spawn("executor", "executor", &settings).await;
+    // The claim statement is the only one that locks executions this way.
+    let claims = |system: &System| system.services["executor"].lines_with("FOR UPDATE OF executions SKIP LOCKED").len();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (before, started) = (claims(&system), Instant::now());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let per_second = (claims(&system) - before) as f64 / started.elapsed().as_secs_f64();
+    println!("an idle executor with {WORKERS} workers sent {per_second:.1} claims a second (poll every {POLL:?})");
+    let one_looker = 1.0 / POLL.as_secs_f64();
+    assert!(
+        per_second > 0.0 && per_second <= 2.0 * one_looker,
+        "{per_second:.1} claims a second: more than one idle worker looks for work on a timer \
+         (one would send about {one_looker:.0})"
+    );
+}

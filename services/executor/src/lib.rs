@@ -50,7 +50,9 @@ pub struct ExecutorSettings {
     #[arg(long = "lease-ms", env = "FENCELINE_EXECUTOR_LEASE_MS", default_value_t = 15_000)]
     pub lease_ms: u64,
 
-    /// How often an idle worker looks for work another instance recorded, in milliseconds.
+    /// How often one idle worker of this process looks for work another instance
+    /// recorded or a lease that expired, in milliseconds; the other idle workers
+    /// wait to be woken.
     #[arg(long = "idle-poll-ms", env = "FENCELINE_EXECUTOR_IDLE_POLL_MS", default_value_t = 250)]
     pub idle_poll_ms: u64,
 
@@ -118,6 +120,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         providers: Arc::new(providers),
         settings: settings.clone(),
         wake,
+        idle_looker: Arc::new(tokio::sync::Mutex::new(())),
         name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
     };
     for index in 0..settings.workers {

@@ -109,6 +109,11 @@ pub struct Workers {
     pub providers: Arc<HashMap<String, HttpProvider>>,
     pub settings: Arc<ExecutorSettings>,
     pub wake: Arc<Notify>,
+    /// Held by the one idle worker that looks for work on a timer (leases that
+    /// expired, grants another instance recorded); the other idle workers wait to
+    /// be woken, so an idle executor sends one claim per poll interval, not one per
+    /// worker.
+    pub idle_looker: Arc<tokio::sync::Mutex<()>>,
     /// This process's name in leases.
     pub name: String,
 }
@@ -171,6 +176,8 @@ impl Workers {
         while !shutdown.is_cancelled() {
             match self.claim(&worker).await {
                 Ok(Some(Claimed { claim, sent, done, span })) => {
+                    // There may be more: another worker looks while this one works.
+                    self.wake.notify_one();
                     if let Err(e) = self.execute(claim, sent, done, &shutdown).instrument(span).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
@@ -181,10 +188,17 @@ impl Workers {
                 }
                 Ok(None) => {
                     let idle = Duration::from_millis(self.settings.idle_poll_ms);
+                    let looker = self.idle_looker.clone().try_lock_owned().ok();
+                    let timer = async {
+                        match looker {
+                            Some(_) => tokio::time::sleep(idle).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = self.wake.notified() => {}
-                        _ = tokio::time::sleep(idle) => {}
+                        _ = timer => {}
                     }
                 }
                 Err(e) => {

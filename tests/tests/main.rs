@@ -24,3 +24,20 @@ mod scaleout;
 mod secrets;
 mod tls;
 mod upgrade;
+
+/// A suite file that is not a module here would never be compiled or run.
+#[test]
+fn every_suite_file_is_a_module_of_this_binary() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let main = include_str!("main.rs");
+    for entry in std::fs::read_dir(&dir).expect("the suites' folder") {
+        let path = entry.expect("an entry").path();
+        let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else { continue };
+        if path.extension().is_some_and(|e| e == "rs") && stem != "main" {
+            assert!(
+                main.contains(&format!("\nmod {stem};\n")),
+                "tests/tests/{stem}.rs is not a module of tests/main.rs"
+            );
+        }
+    }
+}

@@ -19,7 +19,8 @@ use sqlparser::parser::Parser;
 use sqlparser::tokenizer::{Token, Tokenizer, Whitespace};
 
 const SERVICES: [&str; 4] = ["intake", "scheduler", "executor", "reconciler"];
-const TASKS: u64 = 40;
+/// Tasks submitted while both builds run (at least), and after the previous one stopped.
+const MIN_TASKS_PER_PHASE: u64 = 20;
 
 fn repository() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -61,6 +62,19 @@ async fn submit(url: &str, token: &str, n: u64) -> TaskId {
     .unwrap_or_else(|e| panic!("task {n} not submitted: {e}"));
     assert!(answer.status == 201 || answer.status == 202, "task {n} refused with {}: {}", answer.status, answer.body);
     answer.task_id().and_then(|id| id.parse().ok()).unwrap_or_else(|| panic!("no task id in {}", answer.body))
+}
+
+/// Executions that a worker of each build claimed, by the `HOSTNAME` each build's
+/// executor runs with (`current`, `previous`).
+async fn executions_per_build(system: &System) -> BTreeMap<String, i64> {
+    sqlx::query_as(
+        "SELECT split_part(worker, ':', 1), count(*) FROM executor.executions WHERE worker IS NOT NULL GROUP BY 1",
+    )
+    .fetch_all(&system.pool)
+    .await
+    .expect("executions")
+    .into_iter()
+    .collect()
 }
 
 /// Counts per schema of `query`, which runs in every service's schema (`{schema}`).
@@ -142,33 +156,32 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
     let token = system.token("acme").await;
     let intakes = [system.url_of("intake"), system.url_of("previous-intake")];
 
+    // Tasks flow through both intakes until both builds' executors have run some of
+    // them. A joining consumer's first cooperative assignment is empty and its share of
+    // the dispatch partitions comes a rebalance round later, so a fixed burst can be
+    // done before the previous executor holds a partition: the flow goes on until it
+    // has worked, or the deadline says it never did.
     let mut tasks = Vec::new();
-    for n in 0..TASKS / 2 {
-        tasks.push(submit(&intakes[(n % 2) as usize], &token, n).await);
-    }
-    // Wait for some of the work to be done by each build's executor before the old ones go.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
     let workers = loop {
-        let workers: BTreeMap<String, i64> = sqlx::query_as(
-            "SELECT split_part(worker, ':', 1), count(*) FROM executor.executions WHERE worker IS NOT NULL GROUP BY 1",
-        )
-        .fetch_all(&system.pool)
-        .await
-        .expect("executions")
-        .into_iter()
-        .collect();
-        if workers.len() == 2 || tokio::time::Instant::now() >= deadline {
+        let n = tasks.len() as u64;
+        tasks.push(submit(&intakes[(n % 2) as usize], &token, n).await);
+        let workers = executions_per_build(&system).await;
+        let both = workers.len() == 2;
+        if (both && n + 1 >= MIN_TASKS_PER_PHASE) || tokio::time::Instant::now() >= deadline {
             break workers;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(if both { 20 } else { 100 })).await;
     };
     let (current_rejected, previous_rejected) = rejections_from_both_intakes(&system).await;
     for service in SERVICES {
         system.service(&format!("previous-{service}")).signal("TERM");
     }
-    for n in TASKS / 2..TASKS {
+    let first_phase = tasks.len() as u64;
+    for n in first_phase..first_phase + MIN_TASKS_PER_PHASE {
         tasks.push(submit(&intakes[0], &token, n).await);
     }
+    let submitted = tasks.len() as u64;
     for task in &tasks {
         system.wait_state(*task, &["succeeded"], Duration::from_secs(30)).await;
     }
@@ -214,9 +227,9 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
         }
     }
     let wrong: Vec<_> =
-        (0..TASKS).map(|n| (n, charged.get(&n).copied().unwrap_or(0))).filter(|(_, c)| *c != 1).collect();
+        (0..submitted).map(|n| (n, charged.get(&n).copied().unwrap_or(0))).filter(|(_, c)| *c != 1).collect();
     assert!(wrong.is_empty(), "tasks not charged exactly once (task, charges): {wrong:?}");
-    assert_eq!(system.provider("img").charges().await, TASKS as usize, "the ledger's charges");
+    assert_eq!(system.provider("img").charges().await, submitted as usize, "the ledger's charges");
 }
 
 /// What `operation` of an `ALTER TABLE` takes away from the previous release while

@@ -32,8 +32,10 @@ async fn a_person_follows_decides_and_approves_in_the_browser_and_another_tenant
     ])
     .await;
     // The first call is done and charged, and its answer is a gateway's 504: nobody can
-    // know whether it happened, so the task is outcome_unknown, not retried.
-    system.provider("img").rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    // know whether it happened, so the task is outcome_unknown, not retried. The call
+    // takes 1.5 s, so the page shows the task running before it shows the doubt, even
+    // where the whole way takes a fraction of a second.
+    system.provider("img").rule(json!({"status_after_work": 504, "bare": true, "latency_ms": 1500, "times": 1})).await;
     system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate,ticket.triage".into())]).await;
     system.spawn_all(None).await;
     let (acme, globex) = (system.token("acme").await, system.token("globex").await);

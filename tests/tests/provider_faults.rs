@@ -88,6 +88,27 @@ async fn a_gateway_504_after_the_work_at_a_provider_that_dedupes_is_retried_with
     assert_eq!(system.provider("img").charges().await, 1, "charged once");
 }
 
+/// A key that may have done the work never moves: the retry of a 504 at a deduping
+/// provider is refused once with a definite "nothing done" (a 429 for the retry
+/// itself), and the next try still sends the key in doubt, which the provider
+/// answers with the work it did the first time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_definite_refusal_of_the_retry_of_a_key_in_doubt_keeps_the_key_and_charges_once() {
+    let mut system = System::new(&[("img", Caps { idempotency_keys: true, ..Caps::default() })]).await;
+    let img = system.provider("img");
+    img.rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    img.rule(json!({"status": 429, "retry_after_s": 1, "times": 1})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a green shoe"})).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let log = log(&system, "img").await;
+    let outcomes: Vec<&str> = log.iter().map(|(_, outcome)| outcome.as_str()).collect();
+    assert_eq!(outcomes, ["status_after_work:504", "status:429", "replayed"], "the calls: {log:?}");
+    assert!(log.iter().all(|(key, _)| *key == log[0].0), "every try carries the key in doubt: {log:?}");
+    assert_eq!(system.provider("img").charges().await, 1, "charged once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_504_after_the_work_at_a_provider_that_looks_up_is_recovered_without_a_second_call() {
     let (system, task) = gateway_timeout_after_the_work(Caps { lookup: true, ..Caps::default() }).await;

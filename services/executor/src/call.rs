@@ -266,7 +266,8 @@ impl Workers {
                             answer = call.provider.start(call.operation, input.clone(), call.key).await;
                         }
                         (NextMove::Fail { classification: c, new_key }, _) => {
-                            let new_key = new_key.then_some(NewKey { step: call.step, used_seq: call.seq });
+                            let new_key =
+                                new_key.then_some(NewKey { step: call.step, used_seq: call.seq, key: call.key });
                             let message = describe(&outcome, detail.as_deref());
                             self.fail(lease, c.class, &message, c.retry_after, c.money_may_have_been_spent, new_key)
                                 .await?;

@@ -63,11 +63,15 @@ impl Status {
 }
 
 /// The `seq` the call used: the bump applies only if it is still the current one,
-/// so neither a repeated nor a stale write can move the key twice.
+/// so neither a repeated nor a stale write can move the key twice; and only if no
+/// other attempt ever recorded an intent with `key`, so a key that may have done
+/// the work (an earlier attempt's answer was in doubt) is never left behind.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NewKey<'a> {
     pub step: &'a str,
     pub used_seq: i32,
+    /// The operation key the call sent.
+    pub key: &'a str,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -211,8 +215,11 @@ impl Workers {
             Some(step) => Some(sequence(&mut tx, lease, step).await?),
             None => None,
         };
-        if let Some(new_key) = t.new_key {
-            bump_seq(&mut tx, lease, new_key).await?;
+        if let Some(new_key) = t.new_key
+            && !bump_seq(&mut tx, lease, new_key).await?
+        {
+            info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
+                "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
         }
         if let Some(c) = t.checkpoint {
             sqlx::query(
@@ -357,16 +364,25 @@ pub(crate) async fn sequence(tx: &mut PgConnection, lease: &Lease, step: &str) -
     .await
 }
 
-/// Moves the step's `seq` past the one the call used, inside the fenced write.
-async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> Result<(), Stop> {
-    sqlx::query(
-        "UPDATE call_sequences SET seq = seq + 1 WHERE task_id = $1 AND generation = $2 AND step = $3 AND seq = $4",
+/// Moves the step's `seq` past the one the call used, inside the fenced write,
+/// unless another attempt recorded an intent with the same key: a definite "nothing
+/// done" speaks only for this request, and an earlier request under the key may
+/// have done the work (its answer was in doubt, or its worker was lost), so the
+/// next try must send that key again, where a deduping provider answers with the
+/// work already done (docs/provider-protocol.md, "Error classes").
+async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> Result<bool, Stop> {
+    let bumped = sqlx::query(
+        "UPDATE call_sequences SET seq = seq + 1 WHERE task_id = $1 AND generation = $2 AND step = $3 AND seq = $4 \
+         AND NOT EXISTS (SELECT 1 FROM executions \
+             WHERE task_id = $1 AND operation_key = $5 AND grant_id <> $6)",
     )
     .bind(lease.task_id.as_uuid())
     .bind(lease.generation)
     .bind(new_key.step)
     .bind(new_key.used_seq)
+    .bind(new_key.key)
+    .bind(lease.grant_id.as_uuid())
     .execute(&mut *tx)
     .await?;
-    Ok(())
+    Ok(bumped.rows_affected() == 1)
 }

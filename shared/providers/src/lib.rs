@@ -346,6 +346,16 @@ struct Answer {
     result: Option<ProviderResult>,
 }
 
+impl Answer {
+    /// Whether every text the answer carries can be stored: Postgres keeps no NUL
+    /// character in `text` or `jsonb`.
+    fn storable(&self) -> bool {
+        let texts =
+            [Some(&self.request_id), self.result.as_ref().map(|r| &r.uri), self.result.as_ref().map(|r| &r.sha256)];
+        texts.into_iter().flatten().all(|text| !text.contains('\0'))
+    }
+}
+
 /// What an answer that arrived came to, as the error table needs it.
 fn answer_of(mut response: ureq::http::Response<ureq::Body>) -> CallAnswer {
     let status = response.status().as_u16();
@@ -374,6 +384,9 @@ fn answer_of(mut response: ureq::http::Response<ureq::Body>) -> CallAnswer {
         return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after, problem_body }, None);
     }
     match serde_json::from_slice::<Answer>(&body) {
+        // Text Postgres cannot store (a NUL character) would make every record of
+        // the answer unwritable downstream: it is an answer we cannot read.
+        Ok(answer) if !answer.storable() => CallAnswer::Outcome(CallOutcome::ResetMidResponse, None),
         Ok(Answer { request_id, status: s, result: Some(result) }) if s == "succeeded" => {
             CallAnswer::Done { request_id, result }
         }
@@ -421,6 +434,25 @@ mod tests {
                 .expect("adapter");
         let printed = format!("{provider:?}");
         assert!(printed.contains("img") && !printed.contains("sk-live-6b1e"), "{printed}");
+    }
+
+    fn answered(status: u16, body: &str) -> CallAnswer {
+        let body = ureq::Body::builder().mime_type("application/json").data(body.as_bytes().to_vec());
+        answer_of(ureq::http::Response::builder().status(status).body(body).expect("response"))
+    }
+
+    #[test]
+    fn an_answer_carrying_a_nul_character_is_not_read_as_done_or_accepted() {
+        let done = r#"{"request_id": "r1", "status": "succeeded",
+                       "result": {"uri": "http://p/a", "sha256": "00", "size_bytes": 1}}"#;
+        assert!(matches!(answered(200, done), CallAnswer::Done { .. }));
+        let nul_in_id = r#"{"request_id": "r\u00001", "status": "accepted"}"#;
+        let nul_in_uri = r#"{"request_id": "r1", "status": "succeeded",
+                             "result": {"uri": "http://p/\u0000", "sha256": "00", "size_bytes": 1}}"#;
+        for body in [nul_in_id, nul_in_uri] {
+            // The work may have happened, and nothing of the answer can be kept.
+            assert_eq!(answered(200, body), CallAnswer::Outcome(CallOutcome::ResetMidResponse, None), "{body}");
+        }
     }
 
     #[test]

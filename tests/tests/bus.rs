@@ -557,3 +557,48 @@ async fn an_instance_left_without_partitions_has_joined_and_held_partitions_repo
         consumer.join().await;
     }
 }
+
+/// Takes, on one connection of `db`'s pool (its schema first on the search path),
+/// the session advisory locks of every outbox shard, with the expression the relay
+/// uses (`shared/bus/src/outbox.rs`); returns the connection, which holds them.
+async fn hold_every_shard(db: &Database) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
+    let mut conn = db.pool.acquire().await.expect("connection");
+    let shards: Vec<i32> = (0..outbox_config().shards as i32).collect();
+    let held: Vec<i32> = sqlx::query_scalar(
+        "SELECT s FROM unnest($1::int[]) AS s \
+         WHERE pg_try_advisory_lock(hashtextextended(current_schema() || ':outbox-shard:' || s::text, 0))",
+    )
+    .bind(&shards)
+    .fetch_all(&mut *conn)
+    .await
+    .expect("shard locks");
+    assert_eq!(held.len(), shards.len(), "every shard locked");
+    conn
+}
+
+/// Shard locks are scoped to the service's schema: services share a database, and
+/// a relay of one that holds its shards (paused in the middle of a round) keeps no
+/// other service's relay from publishing. The same locks taken in the publisher's
+/// own schema do hold it back, so the test takes the relay's very locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_holding_its_shards_holds_back_its_own_service_and_no_other() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let topic = topics::named(&prefix, topics::STATUS);
+    let read = |expected: usize, timeout: Duration| {
+        let topic = topic.clone();
+        tokio::task::spawn_blocking(move || read_topic(&brokers(), &topic, expected, timeout).len())
+    };
+    let other = schema(&url, "other").await;
+    let upstream = Upstream::start(&url, &prefix).await;
+
+    let held_by_another_service = hold_every_shard(&other).await;
+    upstream.publish(&events(10, 1)).await;
+    assert_eq!(read(10, Duration::from_secs(30)).await.expect("reader"), 10, "published past the other's locks");
+
+    let held_in_its_own_schema = hold_every_shard(&upstream.db).await;
+    upstream.publish(&events(10, 1)).await;
+    assert_eq!(read(20, Duration::from_secs(3)).await.expect("reader"), 10, "held back by its own shards' locks");
+    drop(held_in_its_own_schema.detach());
+    assert_eq!(read(20, Duration::from_secs(30)).await.expect("reader"), 20, "published once the locks went");
+    drop(held_by_another_service);
+}

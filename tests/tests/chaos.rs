@@ -317,7 +317,8 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     // A broker and a Postgres of the run's own: it restarts both, and the other suites
     // run beside it on the test stack's.
     let mut system = System::with_own_broker_and_postgres(&[
-        ("imagegen", Caps { lookup: true, ..Caps::default() }),
+        // Accepts with 202 and is polled, so failed polls and artifact fetches are in the mix.
+        ("imagegen", Caps { lookup: true, async_results: true, ..Caps::default() }),
         ("sketcher", Caps::default()),
         ("llm", Caps { idempotency_keys: true, ..Caps::default() }),
         ("payments", Caps { idempotency_keys: true, lookup: true, ..Caps::default() }),
@@ -347,6 +348,12 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         // Registered a while after it arrived: an early look-up finds nothing.
         ("imagegen", json!({"register_after_ms": 1_500, "times": share(5)})),
         ("imagegen", json!({"hang": true, "times": 2})),
+        // After the provider accepted: a poll that fails never means "nothing done".
+        ("imagegen", json!({"on": "poll", "status": 503, "times": share(10)})),
+        ("imagegen", json!({"on": "poll", "reset": true, "times": share(5)})),
+        // The artifact behind a redirect, or failing to download once.
+        ("imagegen", json!({"serve_artifact": "redirect", "times": share(10)})),
+        ("imagegen", json!({"on": "artifact", "status": 503, "times": share(5)})),
         ("imagegen", json!({"latency_ms": 100})),
         ("sketcher", json!({"drop_after_accept": true, "times": share(5)})),
         ("sketcher", json!({"status": 503, "times": share(10)})),
@@ -356,6 +363,8 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         ("llm", json!({"drop_after_accept": true, "times": share(10)})),
         // A 5xx after charging: the retry must carry the same key.
         ("llm", json!({"status_after_work": 500, "times": share(10)})),
+        // A retry that arrives while the same key still runs is told to ask again.
+        ("llm", json!({"conflict_while_running": true, "retry_after_s": 1})),
         ("llm", json!({"latency_ms": 80})),
         ("payments", json!({"status_after_work": 502, "bare": true, "times": share(5)})),
         ("payments", json!({"latency_ms": 100})),

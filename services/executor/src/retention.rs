@@ -18,19 +18,25 @@ impl Handler for StatusProjection {
                 record.envelope.event.event_type()
             )));
         };
-        // A later version replaces the state whatever it is, so a task that is open
-        // again is no longer eligible for the purge; an earlier one changes nothing.
-        sqlx::query(
+        // Only a final state makes a task's rows eligible for the purge, so only a
+        // final state creates a row. A later version replaces the state whatever it
+        // is, so a task that is open again is no longer eligible; an earlier one
+        // changes nothing. The snapshots of a task that has never been final (most
+        // of them: queued, running, each phase) write nothing.
+        let statement = if s.state.is_final() {
             "INSERT INTO task_states (task_id, state, version, updated_at_us) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, version = EXCLUDED.version, \
-             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
-        )
-        .bind(s.task_id.as_uuid())
-        .bind(s.state.as_str())
-        .bind(s.version)
-        .bind(s.updated_at.0)
-        .execute(&mut *tx)
-        .await?;
+             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version"
+        } else {
+            "UPDATE task_states SET state = $2, version = $3, updated_at_us = $4 WHERE task_id = $1 AND version < $3"
+        };
+        sqlx::query(statement)
+            .bind(s.task_id.as_uuid())
+            .bind(s.state.as_str())
+            .bind(s.version)
+            .bind(s.updated_at.0)
+            .execute(&mut *tx)
+            .await?;
         Ok(())
     }
 }

@@ -221,7 +221,7 @@ impl Task {
 
     /// Succeeded, failed and cancelled never change again.
     pub fn is_final(&self) -> bool {
-        matches!(self.state, TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled)
+        self.state.is_final()
     }
 
     fn is_live(&self, grant_id: GrantId) -> bool {

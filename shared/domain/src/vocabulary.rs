@@ -79,6 +79,13 @@ word_set!(
     }
 );
 
+impl TaskState {
+    /// Succeeded, failed and cancelled: a task in one of them never changes again.
+    pub fn is_final(self) -> bool {
+        matches!(self, TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled)
+    }
+}
+
 word_set!(
     /// How far one execution got; each is written durably before the next begins.
     Phase, "phase" {

@@ -262,6 +262,15 @@ impl ConsumerHandle {
 /// Partitions this instance holds, with the epoch it holds them under.
 type Ownership = Arc<Mutex<HashMap<(String, i32), i64>>>;
 
+/// Forgets the holding a batch was fenced under, and only that one: the partition
+/// may have come back to this instance meanwhile, under a newer epoch whose
+/// records are not to be dropped.
+fn forget_fenced_holding(owned: &mut HashMap<(String, i32), i64>, partition: (String, i32), fenced_epoch: i64) {
+    if owned.get(&partition) == Some(&fenced_epoch) {
+        owned.remove(&partition);
+    }
+}
+
 /// A record and the epoch its partition was held under when it was fetched. A
 /// record fetched under an earlier holding is never applied: after a revocation
 /// and a reassignment the partition is read again from the stored progress, and
@@ -880,13 +889,7 @@ impl<H: Handler> Processor<H> {
                         current_epoch = current,
                         "write rejected: partition fenced, another instance took it over; dropping its records"
                     );
-                    // Forget only the holding this batch was fenced under: the
-                    // partition may have come back to this instance meanwhile,
-                    // under a newer epoch that is not to be dropped.
-                    let mut owned = lock(&self.owned);
-                    if owned.get(&(topic.clone(), partition)) == Some(&mine) {
-                        owned.remove(&(topic.clone(), partition));
-                    }
+                    forget_fenced_holding(&mut lock(&self.owned), (topic.clone(), partition), mine);
                 }
                 BatchPlan::Apply { apply, redelivered, next_offset } => {
                     self.stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);
@@ -1084,6 +1087,18 @@ mod tests {
     use fenceline_events::{CancelRequested, Envelope, Event, Timestamp, encode_record};
 
     use super::*;
+
+    #[test]
+    fn a_fenced_batch_forgets_only_the_holding_it_was_fenced_under() {
+        let partition = ("fenceline.attempts".to_owned(), 2);
+        let mut owned = HashMap::from([(partition.clone(), 7)]);
+        // The partition came back under epoch 7 while a batch fetched under epoch 5
+        // was being fenced: the new holding stays.
+        forget_fenced_holding(&mut owned, partition.clone(), 5);
+        assert_eq!(owned.get(&partition), Some(&7), "a partition held again is not dropped");
+        forget_fenced_holding(&mut owned, partition.clone(), 7);
+        assert!(owned.is_empty(), "the holding the batch was fenced under is forgotten");
+    }
 
     /// A record as a producer with a newer `CancelRequested` schema writes it: the
     /// same bytes under a fingerprint this build does not know, named in the headers.

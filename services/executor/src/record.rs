@@ -28,7 +28,7 @@ pub(crate) struct Transition<'a> {
     /// The operation key of the call, and the provider's request id once known.
     pub call: Option<(&'a str, Option<&'a str>)>,
     /// A definite "nothing was done" for this step's key: the next try of the
-    /// step uses a new operation key.
+    /// step uses a new operation key, unless another attempt sent this one.
     pub new_key: Option<NewKey<'a>>,
     /// A finished step's output, stored with the phase.
     pub checkpoint: Option<Checkpoint<'a>>,
@@ -292,7 +292,8 @@ impl Workers {
     }
 
     /// Ends the attempt as failed with `class`. `new_key`: the provider certainly
-    /// did nothing with the key this call used, so the next try gets a new one.
+    /// did nothing with the request this call sent, so the next try gets a new key,
+    /// unless another attempt sent the same key ([`NewKey`]).
     pub(crate) async fn fail(
         &self,
         lease: &mut Lease,

@@ -152,8 +152,9 @@ pub enum NextMove {
     /// Send the same request, with the same operation key, again after this long:
     /// the provider is still running a request with this key.
     ResendIn(Duration),
-    /// End the attempt. `new_key`: the provider certainly did nothing, so the next
-    /// try is a new operation (`seq` + 1); otherwise it keeps this key.
+    /// End the attempt. `new_key`: the provider certainly did nothing with this
+    /// request, so the next try may be a new operation (`seq` + 1; the executor
+    /// keeps the key anyway when another attempt sent it); otherwise it keeps this key.
     Fail { classification: Classification, new_key: bool },
 }
 

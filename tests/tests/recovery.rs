@@ -494,6 +494,49 @@ async fn a_retry_as_new_asks_a_provider_that_can_be_asked_again_and_pays_nothing
     assert_eq!(calls(&system, "img").await, (1, 1), "the look-up found the work done: nothing sent or paid again");
 }
 
+/// A person's `retry_as_new` at a provider that dedupes resends the key in doubt: the
+/// work the earlier request may have done is answered from the provider's memory of
+/// that key, and is paid once. Here a 504 after the work, then a 403 for the retry
+/// of the same key, brings the task to a person.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_as_new_at_a_provider_that_dedupes_resends_the_key_in_doubt_and_pays_once() {
+    let mut system = System::new(&[("img", Caps { idempotency_keys: true, ..Caps::default() })]).await;
+    let img = system.provider("img");
+    img.rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    img.rule(json!({"status": 403, "times": 1})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a shoe a person retries"})).await;
+    system.wait_state(task, &["needs_human", "outcome_unknown", "succeeded", "failed"], LONG).await;
+    let (state, reason) = system.state(task).await.expect("task");
+    assert_eq!(state, "needs_human", "the 403 asks for a person: {reason:?}");
+
+    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("the open case");
+    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
+        task_id: task,
+        tenant: "acme".into(),
+        case_id: case,
+        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
+        charge_acknowledged: true,
+        attached_result: None,
+        decided_by: "test".into(),
+        decided_at: fenceline_events::Timestamp::now(),
+    });
+    system.publish(fenceline_events::topics::TASKS, &decision).await;
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let log: Vec<(String, String)> =
+        system.provider("img").calls().await.iter().map(|c| (text(&c["operation_key"]), text(&c["outcome"]))).collect();
+    let outcomes: Vec<&str> = log.iter().map(|(_, outcome)| outcome.as_str()).collect();
+    assert_eq!(outcomes, ["status_after_work:504", "status:403", "replayed"], "the calls: {log:?}");
+    assert!(log.iter().all(|(key, _)| *key == log[0].0), "every call carries the key in doubt: {log:?}");
+    assert_eq!(system.provider("img").charges().await, 1, "paid once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_a_stale_worker_verified_after_a_takeover_recovers_its_outcome_unknown_case_without_a_second_charge() {
     let mut system = System::new(&[("img", Caps::default())]).await;

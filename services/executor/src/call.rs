@@ -90,12 +90,17 @@ impl Workers {
             return Ok(settled);
         }
         fault!("executor.before_call_intent");
-        let key = operation_key(
-            lease.task_id,
-            &step.name,
-            u32::try_from(lease.generation).unwrap_or_default(),
-            u32::try_from(seq).unwrap_or_default(),
-        );
+        // A provider that dedupes is sent the key in doubt again: whatever the
+        // earlier request did is answered from the provider's memory of that key.
+        let resend = if provider.capabilities().idempotency_keys {
+            self.key_of_the_doubt(lease, &step.name, seq).await?
+        } else {
+            None
+        };
+        let (key, seq) = resend.unwrap_or_else(|| {
+            let generation = u32::try_from(lease.generation).unwrap_or_default();
+            (operation_key(lease.task_id, &step.name, generation, u32::try_from(seq).unwrap_or_default()), seq)
+        });
         let intent = Event::CallIntentRecorded(CallIntentRecorded {
             task_id: lease.task_id,
             attempt: lease.attempt,
@@ -150,23 +155,12 @@ impl Workers {
         seq: i32,
         ends: Ends,
     ) -> Result<Option<Option<ArtifactRef>>, Stop> {
-        if lease.generation == 0 || seq != 0 || !provider.capabilities().lookup {
+        if !provider.capabilities().lookup {
             return Ok(None);
         }
-        let earlier: Option<(i32, i32)> = sqlx::query_as(
-            "SELECT generation, seq FROM call_sequences WHERE task_id = $1 AND step = $2 AND generation < $3 \
-             ORDER BY generation DESC LIMIT 1",
-        )
-        .bind(lease.task_id.as_uuid())
-        .bind(&step.name)
-        .bind(lease.generation)
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some((generation, earlier_seq)) = earlier else {
+        let Some((key, earlier_seq)) = self.key_of_the_doubt(lease, &step.name, seq).await? else {
             return Ok(None);
         };
-        let to_u32 = |n: i32| u32::try_from(n).unwrap_or_default();
-        let key = operation_key(lease.task_id, &step.name, to_u32(generation), to_u32(earlier_seq));
         let answer = match provider.lookup(&key).await {
             Lookup::Found { request_id, result: Some(result) } => CallAnswer::Done { request_id, result },
             Lookup::Found { request_id, result: None } => CallAnswer::Accepted { request_id },
@@ -193,6 +187,28 @@ impl Workers {
             budget_ends: ends.budget,
         };
         self.follow(lease, &call, input.clone(), answer).await.map(Some)
+    }
+
+    /// The operation key of the call in doubt that a person's `retry_as_new` answers,
+    /// with its `seq`: the latest earlier generation's key of `step`, when this is a
+    /// new generation's first call of the step (`seq` 0). `None` otherwise.
+    async fn key_of_the_doubt(&self, lease: &Lease, step: &str, seq: i32) -> Result<Option<(String, i32)>, Stop> {
+        if lease.generation == 0 || seq != 0 {
+            return Ok(None);
+        }
+        let earlier: Option<(i32, i32)> = sqlx::query_as(
+            "SELECT generation, seq FROM call_sequences WHERE task_id = $1 AND step = $2 AND generation < $3 \
+             ORDER BY generation DESC LIMIT 1",
+        )
+        .bind(lease.task_id.as_uuid())
+        .bind(step)
+        .bind(lease.generation)
+        .fetch_optional(&self.pool)
+        .await?;
+        let to_u32 = |n: i32| u32::try_from(n).unwrap_or_default();
+        Ok(earlier.map(|(generation, earlier_seq)| {
+            (operation_key(lease.task_id, step, to_u32(generation), to_u32(earlier_seq)), earlier_seq)
+        }))
     }
 
     /// Follows an answer to the end of the call: polls what was accepted, waits

@@ -410,8 +410,10 @@ impl CaseView {
             (
                 "retry_as_new".to_owned(),
                 format!(
-                    "{again} as a new operation with a new operation key, so the provider may bill it again \
-                     (needs acknowledge_possible_charge: true); the steps before it keep their verified results \
+                    "{again}: at a provider that dedupes by operation key under the key in doubt, so work the \
+                     earlier request did is answered without a second charge; elsewhere as a new operation with a \
+                     new operation key, so the provider may bill it again (needs acknowledge_possible_charge: \
+                     true); the steps before it keep their verified results \
                      and are not called or billed again, and the steps after it run for the first time"
                 ),
             ),

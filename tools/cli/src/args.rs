@@ -224,7 +224,9 @@ pub struct ResolveArgs {
 /// The resolutions intake offers (docs/intake.md, "Act").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Resolution {
-    /// Run the work again as a new operation; the provider may bill it again.
+    /// Run the step in doubt again: under its own key at a provider that dedupes (work
+    /// already done is not billed again), elsewhere as a new operation the provider
+    /// may bill again.
     RetryAsNew,
     /// Accept the task as failed; nothing runs again.
     AcceptFailed,

@@ -543,12 +543,17 @@ async fn a_result_a_stale_worker_verified_after_a_takeover_recovers_its_outcome_
     system.spawn("scheduler", "scheduler", &[]).await;
     system.spawn("reconciler", "reconciler", &[]).await;
     // Worker A is held up once right after the provider answered: it has the result
-    // in hand, not yet verified or recorded, when its process is stopped there.
+    // in hand, not yet verified or recorded, when its process is stopped there. The
+    // hold is a blocking sleep on one of A's runtime threads, which can hold up A's
+    // relay too; so the provider takes a second to answer, during which A's relay
+    // publishes the call intent while A's worker awaits the answer, and A is
+    // stopped inside the hold, well after it began.
+    system.provider("img").rule(json!({"latency_ms": 1000, "times": 1})).await;
     let held = [("FAILPOINTS", "executor.after_provider_answer=1*sleep(5000)".to_owned())];
     system.spawn("executor-a", "executor", &held).await;
     let task = system.submit("acme", "image.generate", json!({"prompt": "a stale shoe"})).await;
     wait_until_the_call_left(&system).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
     system.service("executor-a").signal("STOP");
 
     // B takes the expired lease over after `call_intent` and reports the attempt

@@ -93,40 +93,51 @@ async fn per_schema(system: &System, query: &str) -> BTreeMap<&'static str, i64>
 /// Writes an undecodable upstream record to every partition of the upstream topic,
 /// which both intakes share, and reads the `RequestRejected` answers: the previous
 /// release writes the version before the current one (docs/wire.md, "Versions"), and
-/// every answer decodes with the current types. Returns how many were written with
-/// the current schema and how many with an earlier one.
+/// every answer decodes with the current types. A joining intake gets its upstream
+/// partitions a cooperative rebalance round after it joined, so a round of records
+/// is written every second until both builds have answered one (or 45 s passed).
+/// Returns how many answers were written with the current schema and how many with
+/// an earlier one.
 async fn rejections_from_both_intakes(system: &System) -> (usize, usize) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let requests = topics::named(&system.prefix, topics::INTAKE_REQUESTS);
     let producer: FutureProducer =
         rdkafka::ClientConfig::new().set("bootstrap.servers", &system.brokers).create().expect("producer");
-    for partition in 0..PARTITIONS {
-        let key = format!("garbage-{partition}");
-        let record = FutureRecord::to(&requests).partition(partition).key(&key).payload(b"\x00garbage".as_slice());
-        producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("upstream record written");
-    }
-    let (brokers, rejected) = (system.brokers.clone(), topics::named(&system.prefix, topics::INTAKE_REJECTED));
-    let records = tokio::task::spawn_blocking(move || {
-        read_topic(&brokers, &rejected, PARTITIONS as usize, Duration::from_secs(20))
-    })
-    .await
-    .expect("reader");
-    assert_eq!(records.len(), PARTITIONS as usize, "one answer per refused record:\n{}", system.logs());
     let (_, current) = fenceline_events::registry().current("RequestRejected").expect("a current schema");
-    let mut by_version = (0, 0);
-    for record in &records {
-        let payload = rdkafka::message::Message::payload(record).expect("a value");
-        match fenceline_events::decode(payload) {
-            Ok(fenceline_events::Event::RequestRejected(r)) => assert_eq!(r.problem_type, "invalid-record"),
-            other => panic!("not a readable RequestRejected: {other:?}"),
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    let mut written = 0;
+    for round in 0.. {
+        for partition in 0..PARTITIONS {
+            let key = format!("garbage-{round}-{partition}");
+            let record = FutureRecord::to(&requests).partition(partition).key(&key).payload(b"\x00garbage".as_slice());
+            producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("upstream record written");
         }
-        if payload[2..10] == current {
-            by_version.0 += 1;
-        } else {
-            by_version.1 += 1;
+        written += PARTITIONS as usize;
+        let (brokers, rejected) = (system.brokers.clone(), topics::named(&system.prefix, topics::INTAKE_REJECTED));
+        let records =
+            tokio::task::spawn_blocking(move || read_topic(&brokers, &rejected, written, Duration::from_secs(20)))
+                .await
+                .expect("reader");
+        assert_eq!(records.len(), written, "one answer per refused record:\n{}", system.logs());
+        let mut by_version = (0, 0);
+        for record in &records {
+            let payload = rdkafka::message::Message::payload(record).expect("a value");
+            match fenceline_events::decode(payload) {
+                Ok(fenceline_events::Event::RequestRejected(r)) => assert_eq!(r.problem_type, "invalid-record"),
+                other => panic!("not a readable RequestRejected: {other:?}"),
+            }
+            if payload[2..10] == current {
+                by_version.0 += 1;
+            } else {
+                by_version.1 += 1;
+            }
         }
+        if (by_version.0 > 0 && by_version.1 > 0) || tokio::time::Instant::now() >= deadline {
+            return by_version;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    by_version
+    unreachable!("the rounds end by returning")
 }
 
 /// The current services start first and migrate; the previous release's join their

@@ -28,6 +28,27 @@ async fn wait_until_the_call_left(system: &System) {
     system.wait_intent_published(LONG).await;
 }
 
+/// A person of tenant `acme` resolves the task's open case with `retry_as_new`,
+/// acknowledging a possible second charge, as intake publishes it.
+async fn a_person_retries_as_new(system: &System, task: fenceline_domain::ids::TaskId) {
+    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+        .bind(task.as_uuid())
+        .fetch_one(&system.pool)
+        .await
+        .expect("the open case");
+    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
+        task_id: task,
+        tenant: "acme".into(),
+        case_id: case,
+        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
+        charge_acknowledged: true,
+        attached_result: None,
+        decided_by: "test".into(),
+        decided_at: fenceline_events::Timestamp::now(),
+    });
+    system.publish(fenceline_events::topics::TASKS, &decision).await;
+}
+
 /// Submits an image task through intake's API with an idempotency key.
 async fn submit_through_intake(intake: &str, token: &str) -> fenceline_domain::ids::TaskId {
     let url = format!("{intake}/v1/tasks");
@@ -473,22 +494,7 @@ async fn a_retry_as_new_asks_a_provider_that_can_be_asked_again_and_pays_nothing
 
     // The provider answers look-ups again; a person decides to retry as new.
     assert_eq!(put(caps(true)).await.expect("capabilities").0, 204);
-    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
-        .bind(task.as_uuid())
-        .fetch_one(&system.pool)
-        .await
-        .expect("the open case");
-    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
-        task_id: task,
-        tenant: "acme".into(),
-        case_id: case,
-        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
-        charge_acknowledged: true,
-        attached_result: None,
-        decided_by: "test".into(),
-        decided_at: fenceline_events::Timestamp::now(),
-    });
-    system.publish(fenceline_events::topics::TASKS, &decision).await;
+    a_person_retries_as_new(&system, task).await;
 
     system.wait_state(task, &["succeeded"], LONG).await;
     assert_eq!(calls(&system, "img").await, (1, 1), "the look-up found the work done: nothing sent or paid again");
@@ -510,22 +516,7 @@ async fn a_retry_as_new_at_a_provider_that_dedupes_resends_the_key_in_doubt_and_
     let (state, reason) = system.state(task).await.expect("task");
     assert_eq!(state, "needs_human", "the 403 asks for a person: {reason:?}");
 
-    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
-        .bind(task.as_uuid())
-        .fetch_one(&system.pool)
-        .await
-        .expect("the open case");
-    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
-        task_id: task,
-        tenant: "acme".into(),
-        case_id: case,
-        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
-        charge_acknowledged: true,
-        attached_result: None,
-        decided_by: "test".into(),
-        decided_at: fenceline_events::Timestamp::now(),
-    });
-    system.publish(fenceline_events::topics::TASKS, &decision).await;
+    a_person_retries_as_new(&system, task).await;
 
     system.wait_state(task, &["succeeded"], LONG).await;
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();

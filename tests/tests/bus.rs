@@ -559,19 +559,16 @@ async fn an_instance_left_without_partitions_has_joined_and_held_partitions_repo
 }
 
 /// Takes, on one connection of `db`'s pool (its schema first on the search path),
-/// the session advisory locks of every outbox shard, with the expression the relay
-/// uses (`shared/bus/src/outbox.rs`); returns the connection, which holds them.
+/// the session advisory locks of every outbox shard with the relay's own statement;
+/// returns the connection, which holds them.
 async fn hold_every_shard(db: &Database) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
     let mut conn = db.pool.acquire().await.expect("connection");
     let shards: Vec<i32> = (0..outbox_config().shards as i32).collect();
-    let held: Vec<i32> = sqlx::query_scalar(
-        "SELECT s FROM unnest($1::int[]) AS s \
-         WHERE pg_try_advisory_lock(hashtextextended(current_schema() || ':outbox-shard:' || s::text, 0))",
-    )
-    .bind(&shards)
-    .fetch_all(&mut *conn)
-    .await
-    .expect("shard locks");
+    let held: Vec<i32> = sqlx::query_scalar(fenceline_bus::outbox::SHARD_TRY_LOCK_ALL)
+        .bind(&shards)
+        .fetch_all(&mut *conn)
+        .await
+        .expect("shard locks");
     assert_eq!(held.len(), shards.len(), "every shard locked");
     conn
 }

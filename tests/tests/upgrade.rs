@@ -104,16 +104,18 @@ async fn rejections_from_both_intakes(system: &System) -> (usize, usize) {
     let producer: FutureProducer =
         rdkafka::ClientConfig::new().set("bootstrap.servers", &system.brokers).create().expect("producer");
     let (_, current) = fenceline_events::registry().current("RequestRejected").expect("a current schema");
+    let rejected = topics::named(&system.prefix, topics::INTAKE_REJECTED);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
-    let mut written = 0;
-    for round in 0.. {
+    let (mut round, mut written) = (0, 0);
+    loop {
         for partition in 0..PARTITIONS {
             let key = format!("garbage-{round}-{partition}");
             let record = FutureRecord::to(&requests).partition(partition).key(&key).payload(b"\x00garbage".as_slice());
             producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("upstream record written");
         }
+        round += 1;
         written += PARTITIONS as usize;
-        let (brokers, rejected) = (system.brokers.clone(), topics::named(&system.prefix, topics::INTAKE_REJECTED));
+        let (brokers, rejected) = (system.brokers.clone(), rejected.clone());
         let records =
             tokio::task::spawn_blocking(move || read_topic(&brokers, &rejected, written, Duration::from_secs(20)))
                 .await
@@ -137,7 +139,6 @@ async fn rejections_from_both_intakes(system: &System) -> (usize, usize) {
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    unreachable!("the rounds end by returning")
 }
 
 /// The current services start first and migrate; the previous release's join their

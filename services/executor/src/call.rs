@@ -86,17 +86,33 @@ impl Workers {
             self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
             return Ok(None);
         }
-        if let Some(settled) = self.ask_about_the_doubt(lease, step, provider, operation, &input, seq, ends).await? {
-            return Ok(settled);
-        }
-        fault!("executor.before_call_intent");
-        // A provider that dedupes is sent the key in doubt again: whatever the
-        // earlier request did is answered from the provider's memory of that key.
-        let resend = if provider.capabilities().idempotency_keys {
+        // A new generation's first call of the step in doubt: a provider that can be
+        // asked is asked about the earlier key, and one that dedupes is sent it again.
+        let capabilities = provider.capabilities();
+        let doubt = if capabilities.lookup || capabilities.idempotency_keys {
             self.key_of_the_doubt(lease, &step.name, seq).await?
         } else {
             None
         };
+        if let Some((earlier_key, earlier_seq)) = doubt.as_ref().filter(|_| capabilities.lookup) {
+            let window = self.send_window_of(provider_name);
+            let earlier = Call {
+                step: &step.name,
+                provider,
+                operation,
+                key: earlier_key,
+                seq: *earlier_seq,
+                window,
+                budget_ends: ends.budget,
+            };
+            if let Some(settled) = self.ask_about_the_doubt(lease, &earlier, &input).await? {
+                return Ok(settled);
+            }
+        }
+        fault!("executor.before_call_intent");
+        // Whatever the earlier request under the key in doubt did, a provider that
+        // dedupes answers from its memory of that key.
+        let resend = doubt.filter(|_| capabilities.idempotency_keys);
         let (key, seq) = resend.unwrap_or_else(|| {
             let generation = u32::try_from(lease.generation).unwrap_or_default();
             (operation_key(lease.task_id, &step.name, generation, u32::try_from(seq).unwrap_or_default()), seq)
@@ -144,49 +160,30 @@ impl Workers {
     /// Done, or still running: it is followed to its end under its own key, and no
     /// second operation starts. Never received, or no answer: the new operation
     /// goes ahead, as the person decided. `Some`: the step was settled here.
-    #[allow(clippy::too_many_arguments)]
+    /// `earlier`: the call under the key in doubt ([`Workers::key_of_the_doubt`]).
     async fn ask_about_the_doubt(
         &self,
         lease: &mut Lease,
-        step: &StepSpec,
-        provider: &HttpProvider,
-        operation: &str,
+        earlier: &Call<'_>,
         input: &serde_json::Value,
-        seq: i32,
-        ends: Ends,
     ) -> Result<Option<Option<ArtifactRef>>, Stop> {
-        if !provider.capabilities().lookup {
-            return Ok(None);
-        }
-        let Some((key, earlier_seq)) = self.key_of_the_doubt(lease, &step.name, seq).await? else {
-            return Ok(None);
-        };
-        let answer = match provider.lookup(&key).await {
+        let answer = match earlier.provider.lookup(earlier.key).await {
             Lookup::Found { request_id, result: Some(result) } => CallAnswer::Done { request_id, result },
             Lookup::Found { request_id, result: None } => CallAnswer::Accepted { request_id },
             Lookup::NeverReceived => {
-                info!(task_id = %lease.task_id, step = %step.name, "the operation in doubt was never received; \
+                info!(task_id = %lease.task_id, step = earlier.step, "the operation in doubt was never received; \
                     starting the new one");
                 return Ok(None);
             }
             Lookup::NoAnswer(why) => {
-                warn!(task_id = %lease.task_id, step = %step.name, why, "the provider could not say what became of \
+                warn!(task_id = %lease.task_id, step = earlier.step, why, "the provider could not say what became of \
                     the operation in doubt; starting the new one, as a person decided");
                 return Ok(None);
             }
         };
-        info!(task_id = %lease.task_id, step = %step.name, "the provider received the operation in doubt after all; \
+        info!(task_id = %lease.task_id, step = earlier.step, "the provider received the operation in doubt after all; \
             following it instead of paying again");
-        let call = Call {
-            step: &step.name,
-            provider,
-            operation,
-            key: &key,
-            seq: earlier_seq,
-            window: self.send_window_of(&provider.name),
-            budget_ends: ends.budget,
-        };
-        self.follow(lease, &call, input.clone(), answer).await.map(Some)
+        self.follow(lease, earlier, input.clone(), answer).await.map(Some)
     }
 
     /// The operation key of the call in doubt that a person's `retry_as_new` answers,

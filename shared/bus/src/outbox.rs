@@ -29,7 +29,7 @@ use crate::{Error, fault};
 /// to the service's schema: services share a database, and one service's relays
 /// must not skip another's shards. Do not change the expression (here and in
 /// [`SHARD_UNLOCK_ALL`]): relays of different versions must contend for the same locks.
-const SHARD_TRY_LOCK_ALL: &str = "SELECT s FROM unnest($1::int[]) WITH ORDINALITY AS w(s, n) \
+pub const SHARD_TRY_LOCK_ALL: &str = "SELECT s FROM unnest($1::int[]) WITH ORDINALITY AS w(s, n) \
      WHERE pg_try_advisory_lock(hashtextextended(current_schema() || ':outbox-shard:' || s::text, 0)) ORDER BY n";
 /// Releases the locks of the shards in `$1` in one statement.
 const SHARD_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock(hashtextextended(current_schema() || ':outbox-shard:' \

@@ -281,15 +281,33 @@ pub async fn reset_statements(admin: &sqlx::PgPool) -> bool {
     sqlx::query("SELECT pg_stat_statements_reset()").execute(admin).await.is_ok()
 }
 
-/// The statements database `name` ran most often since the reset: (calls, text).
-pub async fn top_statements(admin: &sqlx::PgPool, name: &str, limit: i64) -> Vec<(i64, String)> {
-    sqlx::query_as(
-        "SELECT s.calls::bigint, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 140) FROM pg_stat_statements s \
-         JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1 ORDER BY s.calls DESC LIMIT $2",
+/// What database `name` ran since the reset: every statement's calls and time, and
+/// the `limit` statements that took the most time (calls, milliseconds, text).
+#[derive(Debug, Clone, Default)]
+pub struct Statements {
+    pub calls: i64,
+    pub exec_ms: f64,
+    pub top: Vec<(i64, f64, String)>,
+}
+
+pub async fn statements(admin: &sqlx::PgPool, name: &str, limit: i64) -> Statements {
+    let (calls, exec_ms): (i64, f64) = sqlx::query_as(
+        "SELECT coalesce(sum(s.calls), 0)::bigint, coalesce(sum(s.total_exec_time), 0)::float8 \
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1",
+    )
+    .bind(name)
+    .fetch_one(admin)
+    .await
+    .unwrap_or_default();
+    let top = sqlx::query_as(
+        "SELECT s.calls::bigint, s.total_exec_time::float8, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 140) \
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1 \
+         ORDER BY s.total_exec_time DESC LIMIT $2",
     )
     .bind(name)
     .bind(limit)
     .fetch_all(admin)
     .await
-    .unwrap_or_default()
+    .unwrap_or_default();
+    Statements { calls, exec_ms, top }
 }

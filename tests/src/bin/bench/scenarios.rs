@@ -151,6 +151,13 @@ impl Bench {
             )
         });
         system.env.push(("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())));
+        // A service setting to try against the defaults: `BENCH_ENV_<NAME>=value`
+        // gives every service `<NAME>=value`.
+        for (name, value) in std::env::vars() {
+            if let Some(name) = name.strip_prefix("BENCH_ENV_") {
+                system.env.push((Box::leak(name.to_owned().into_boxed_str()), value));
+            }
+        }
         let admin = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
             .connect(&fenceline_tests::admin_database_url())
@@ -314,21 +321,31 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     let mut statements = HashMap::new();
     if counting_statements {
         for service in SERVICES {
-            statements.insert(service, probe::top_statements(&bench.admin, &bench.databases[service].0, 8).await);
+            statements.insert(service, probe::statements(&bench.admin, &bench.databases[service].0, 10).await);
         }
     }
     stop_sampling.cancel();
     let usage = sampler.await.unwrap_or_default();
     let whole = Whole { first: &whole_first, last: &whole_last, own_queries, usage: &usage };
     let mut figures = figures(bench, &target, &submissions, &first, &last, &whole).await;
-    // The statements each service ran most often, per finished task.
-    let tasks = figures["finished"].as_f64().unwrap_or(0.0);
+    // The statements each service ran, per finished task: all of them, and those
+    // that took the most of the server's time (calls and milliseconds per task).
+    let tasks = figures["finished"].as_f64().unwrap_or(0.0).max(1.0);
     let mut top = serde_json::Map::new();
-    for (service, rows) in statements {
-        let listed: Vec<Value> =
-            rows.into_iter().map(|(calls, query)| json!([round(calls as f64 / tasks.max(1.0), 2), query])).collect();
+    let mut totals = serde_json::Map::new();
+    for (service, ran) in statements {
+        let listed: Vec<Value> = ran
+            .top
+            .into_iter()
+            .map(|(calls, ms, query)| json!([round(calls as f64 / tasks, 2), round(ms / tasks, 4), query]))
+            .collect();
         top.insert(service.to_owned(), Value::Array(listed));
+        totals.insert(
+            service.to_owned(),
+            json!({"calls": round(ran.calls as f64 / tasks, 1), "exec_ms": round(ran.exec_ms / tasks, 3)}),
+        );
     }
+    figures["statements_per_task"] = Value::Object(totals);
     figures["top_statements_per_task"] = Value::Object(top);
     figures
 }

@@ -599,3 +599,128 @@ async fn a_relay_holding_its_shards_holds_back_its_own_service_and_no_other() {
     assert_eq!(read(20, Duration::from_secs(30)).await.expect("reader"), 20, "published once the locks went");
     drop(held_by_another_service);
 }
+
+/// A projection that gathers the newest version of each task over a batch and
+/// writes it once when the batch ends (as the scheduler's statuses and intake's
+/// change marks are written); it gathers an event before refusing it, so that
+/// only `discard` keeps a refused event's version out.
+#[derive(Debug, Default)]
+struct Gathering(std::sync::Mutex<std::collections::BTreeMap<TaskId, i64>>);
+
+impl fenceline_bus::Handler for Gathering {
+    async fn handle(
+        &self,
+        _tx: &mut sqlx::PgConnection,
+        _outbox: &OutboxWriter,
+        record: &fenceline_bus::Inbound,
+    ) -> Result<(), fenceline_bus::HandleError> {
+        let Event::TaskStatus(status) = &record.envelope.event else {
+            return Err(fenceline_bus::HandleError::Poison("not a status".into()));
+        };
+        let mut gathered = self.0.lock().expect("gathered");
+        let newest = gathered.entry(status.task_id).or_default();
+        *newest = (*newest).max(status.version);
+        if status.version >= 1_000_000 {
+            return Err(fenceline_bus::HandleError::Poison("a version this large is refused".into()));
+        }
+        Ok(())
+    }
+
+    async fn flush(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        _outbox: &OutboxWriter,
+    ) -> Result<(), fenceline_bus::HandleError> {
+        let gathered = std::mem::take(&mut *self.0.lock().expect("gathered"));
+        for (task, version) in gathered {
+            sqlx::query("INSERT INTO gathered_flushes (task_id, version) VALUES ($1, $2)")
+                .bind(task.as_uuid())
+                .bind(version)
+                .execute(&mut *tx)
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn discard(&self) {
+        self.0.lock().expect("gathered").clear();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_handler_gathers_is_written_once_per_batch_and_a_refused_event_leaves_nothing_gathered() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let group = fresh_group();
+    let upstream = Upstream::start(&url, &prefix).await;
+    let consumer_db = schema(&url, "gathering").await;
+    sqlx::query("CREATE TABLE gathered_flushes (task_id uuid NOT NULL, version bigint NOT NULL)")
+        .execute(&consumer_db.pool)
+        .await
+        .expect("table");
+    // Every event is on the topic before the consumer starts, so that its first
+    // batches hold several versions of each task.
+    let tasks: Vec<TaskId> = (0..3).map(|_| TaskId::new_v7()).collect();
+    let stream: Vec<Event> = (1..=6).flat_map(|v| tasks.iter().map(move |t| status_event(*t, v))).collect();
+    upstream.publish(&stream).await;
+    let published =
+        read_topic(&brokers(), &topics::named(&prefix, topics::STATUS), stream.len(), Duration::from_secs(30));
+    assert_eq!(published.len(), stream.len(), "every event is on the topic");
+
+    let shutdown = CancellationToken::new();
+    let writer = OutboxWriter::new("gathering", &prefix, outbox_config().shards);
+    start_relay("gathering-relay", &consumer_db, &kafka(&prefix), &writer, &shutdown);
+    let consumer = fenceline_bus::FencedConsumer::spawn(
+        fenceline_bus::ConsumerSpec {
+            group: group.clone(),
+            topics: vec![topics::named(&prefix, topics::STATUS)],
+            instance: "gathering".into(),
+            drain_grace: Duration::from_secs(5),
+        },
+        &kafka(&prefix),
+        &consumer_config(),
+        consumer_db.pool.clone(),
+        writer,
+        Gathering::default(),
+        shutdown.clone(),
+    )
+    .expect("consumer");
+
+    // (newest version written, writes) of `task` once its newest is `expected`.
+    let flushed = |task: TaskId, expected: i64| {
+        let pool = consumer_db.pool.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let row: (Option<i64>, i64) =
+                    sqlx::query_as("SELECT max(version), count(*) FROM gathered_flushes WHERE task_id = $1")
+                        .bind(task.as_uuid())
+                        .fetch_one(&pool)
+                        .await
+                        .expect("flushes");
+                if row.0 == Some(expected) || tokio::time::Instant::now() > deadline {
+                    return row;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    for task in &tasks {
+        let (version, writes) = flushed(*task, 6).await;
+        assert_eq!(version, Some(6), "the newest version of each task is written");
+        assert!(writes < 6, "several versions of a task in one batch are written once, not {writes} times");
+    }
+
+    // A refused event in the middle: its batch is applied again event by event, and
+    // what the refused event gathered goes with its savepoint.
+    let refused_task = TaskId::new_v7();
+    upstream
+        .publish(&[status_event(refused_task, 1), status_event(refused_task, 5_000_000), status_event(refused_task, 2)])
+        .await;
+    let (version, _) = flushed(refused_task, 2).await;
+    assert_eq!(version, Some(2), "the refused event's version was discarded with its savepoint, the others written");
+    let letters = read_topic(&brokers(), &topics::named(&prefix, topics::DEADLETTER), 1, Duration::from_secs(30));
+    assert_eq!(letters.len(), 1, "the refused event is a dead letter");
+    shutdown.cancel();
+    consumer.join().await;
+    drop(upstream);
+}

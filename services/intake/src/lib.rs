@@ -209,9 +209,9 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let listening = app.base.shutdown.child_token();
     app.base.spawn(live::listen(pool.clone(), schema, changes, listening));
 
-    app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection)?;
-    app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection)?;
-    app.consume("attempts", &[fenceline_events::topics::ATTEMPTS], tasks::AttemptProjection)?;
+    app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection::default())?;
+    app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection::default())?;
+    app.consume("attempts", &[fenceline_events::topics::ATTEMPTS], tasks::AttemptProjection::default())?;
     app.consume(
         "requests",
         &[fenceline_events::topics::INTAKE_REQUESTS],

@@ -53,6 +53,58 @@ pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str
     Ok(())
 }
 
+/// The tasks one consumer's batch changed, marked with one statement just before
+/// the batch commits ([`fenceline_bus::Handler::flush`]) instead of one per event:
+/// a task's several events in a batch are one change to the streams, and marking
+/// in task order keeps two consumers' batches from waiting on each other's marks
+/// in opposite orders.
+#[derive(Debug, Default)]
+pub struct BatchMarks(std::sync::Mutex<std::collections::BTreeMap<TaskId, Option<String>>>);
+
+impl BatchMarks {
+    /// Marks `task_id` changed when the batch commits; `tenant` as for [`changed`].
+    pub fn mark(&self, task_id: TaskId, tenant: Option<&str>) {
+        let mut marks = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let known = marks.entry(task_id).or_default();
+        if known.is_none() {
+            *known = tenant.map(str::to_owned);
+        }
+    }
+
+    /// Forgets the marks of a batch that was rolled back.
+    pub fn discard(&self) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+    }
+
+    /// Writes the gathered marks in `tx` and notifies the listeners on commit.
+    pub async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let marks = std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if marks.is_empty() {
+            return Ok(());
+        }
+        let (ids, tenants): (Vec<uuid::Uuid>, Vec<Option<String>>) =
+            marks.into_iter().map(|(id, tenant)| (id.as_uuid(), tenant)).unzip();
+        sqlx::query(
+            "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
+             owner AS ( \
+               SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
+               LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id), \
+             marked AS ( \
+               INSERT INTO task_changes (task_id, tenant, changed_at) \
+               SELECT task_id, tenant, clock_timestamp() FROM owner WHERE tenant IS NOT NULL ORDER BY task_id \
+               ON CONFLICT (task_id) DO UPDATE SET \
+                 changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING task_id, tenant) \
+             SELECT pg_notify(current_schema() || $3, tenant || ' ' || task_id::text) FROM marked",
+        )
+        .bind(&ids)
+        .bind(&tenants)
+        .bind(CHANNEL_SUFFIX)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
 /// What the listener tells the streams of this instance.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Change {

@@ -552,16 +552,26 @@ pub async fn summary(
 
 /// Projects the `outcome_unknown` decisions of `fenceline.recovery` with their
 /// evidence, for reads.
-#[derive(Debug, Clone, Default)]
-pub struct CaseProjection;
+#[derive(Debug, Default)]
+pub struct CaseProjection {
+    marks: crate::live::BatchMarks,
+}
 
 impl Handler for CaseProjection {
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        Ok(self.marks.flush(tx).await?)
+    }
+
+    fn discard(&self) {
+        self.marks.discard();
+    }
+
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         let Event::RecoveryDecided(decided) = &record.envelope.event else {
             return Ok(());
         };
         crate::timeline::record(&mut *tx, record).await?;
-        crate::live::changed(&mut *tx, decided.task_id, None).await?;
+        self.marks.mark(decided.task_id, None);
         // A decision about an attempt whose outcome was in doubt belongs on that attempt
         // (the attempt's own event may arrive later, on another topic).
         if decided.decision != RecoveryDecision::ReissueGrant {
@@ -595,13 +605,23 @@ impl Handler for CaseProjection {
 
 /// Projects the executor's reports on `fenceline.attempts` into `task_attempts`:
 /// when each attempt was taken up and how it ended.
-#[derive(Debug, Clone, Default)]
-pub struct AttemptProjection;
+#[derive(Debug, Default)]
+pub struct AttemptProjection {
+    marks: crate::live::BatchMarks,
+}
 
 impl Handler for AttemptProjection {
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        Ok(self.marks.flush(tx).await?)
+    }
+
+    fn discard(&self) {
+        self.marks.discard();
+    }
+
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         if let Some(task_id) = crate::timeline::record(&mut *tx, record).await? {
-            crate::live::changed(&mut *tx, task_id, None).await?;
+            self.marks.mark(task_id, None);
         }
         let at = record.envelope.headers.produced_at.to_datetime();
         let (task_id, attempt, outcome, error_class, detail, money, ended_at) = match &record.envelope.event {
@@ -664,10 +684,20 @@ impl Handler for AttemptProjection {
 
 /// Projects `fenceline.status` into `task_view`: the newest version wins, so a
 /// late or repeated snapshot never moves a task backwards.
-#[derive(Debug, Clone, Default)]
-pub struct StatusProjection;
+#[derive(Debug, Default)]
+pub struct StatusProjection {
+    marks: crate::live::BatchMarks,
+}
 
 impl Handler for StatusProjection {
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        Ok(self.marks.flush(tx).await?)
+    }
+
+    fn discard(&self) {
+        self.marks.discard();
+    }
+
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         let Event::TaskStatus(status) = &record.envelope.event else {
             return Err(HandleError::Poison(format!(
@@ -699,7 +729,7 @@ impl Handler for StatusProjection {
         .execute(&mut *tx)
         .await?;
         crate::timeline::record(&mut *tx, record).await?;
-        crate::live::changed(&mut *tx, status.task_id, Some(&status.tenant)).await?;
+        self.marks.mark(status.task_id, Some(&status.tenant));
         Ok(())
     }
 }

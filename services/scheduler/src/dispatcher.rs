@@ -241,8 +241,13 @@ impl Dispatcher {
         span.follows_from(tracing::Span::current().id());
         fenceline_telemetry::continue_trace(&span, row.traceparent.as_deref());
         fenceline_telemetry::record_trace_id(&span);
-        let ctx =
-            Context { outbox: &self.outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel };
+        let ctx = Context {
+            outbox: &self.outbox,
+            catalog: &self.catalog,
+            settings: &self.settings,
+            channel: &self.channel,
+            statuses: None,
+        };
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
             tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await.map_err(bus_error)?;
             round.lateness.extend(lateness);

@@ -13,18 +13,20 @@ use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
 use fenceline_domain::limits::Health;
 use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
-use fenceline_events::{Event, TaskAccepted, topics};
+use fenceline_events::{Event, TaskAccepted};
 use sqlx::PgConnection;
 
 use crate::tasks::{self, Context, TaskRow};
 use crate::{SchedulerSettings, clock, health};
 
-/// Applies task, attempt and recovery events to the lifecycle.
-#[derive(Debug, Clone)]
+/// Applies task, attempt and recovery events to the lifecycle. One per consumer:
+/// it gathers its batch's statuses.
+#[derive(Debug)]
 pub struct LifecycleEvents {
     pub catalog: Arc<Catalog>,
     pub settings: Arc<SchedulerSettings>,
     pub channel: Arc<str>,
+    pub statuses: tasks::StatusBatch,
 }
 
 fn jitter() -> f64 {
@@ -33,7 +35,13 @@ fn jitter() -> f64 {
 
 impl LifecycleEvents {
     fn ctx<'a>(&'a self, outbox: &'a OutboxWriter) -> Context<'a> {
-        Context { outbox, catalog: &self.catalog, settings: &self.settings, channel: &self.channel }
+        Context {
+            outbox,
+            catalog: &self.catalog,
+            settings: &self.settings,
+            channel: &self.channel,
+            statuses: Some(&self.statuses),
+        }
     }
 
     async fn accept(&self, tx: &mut PgConnection, outbox: &OutboxWriter, e: &TaskAccepted) -> Result<(), HandleError> {
@@ -84,7 +92,7 @@ impl LifecycleEvents {
             pending_step: None,
             traceparent,
         };
-        outbox.append(tx, topics::STATUS, None, &tasks::status_of(&row, &task, 1, now)).await?;
+        self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
         tasks::save(tx, self.ctx(outbox), e.task_id, &e.kind, &task, 1).await?;
         for input in early {
             let Some(row) = tasks::lock(tx, e.task_id).await? else { break };
@@ -147,6 +155,14 @@ fn progress(row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Inp
 }
 
 impl Handler for LifecycleEvents {
+    async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
+        Ok(self.statuses.flush(tx, outbox).await?)
+    }
+
+    fn discard(&self) {
+        self.statuses.discard();
+    }
+
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         let event = &record.envelope.event;
         if let Event::TaskAccepted(e) = event {

@@ -89,8 +89,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     // Commits that set a timer or free a slot notify this channel (one per schema).
     let channel: Arc<str> =
         format!("fenceline_{}_due", config.service.postgres.schema.as_deref().unwrap_or(NAME)).into();
-    let handler =
-        events::LifecycleEvents { catalog: catalog.clone(), settings: settings.clone(), channel: channel.clone() };
+    let handler = events::LifecycleEvents {
+        catalog: catalog.clone(),
+        settings: settings.clone(),
+        channel: channel.clone(),
+        statuses: Default::default(),
+    };
     app.consume("lifecycle", &[topics::TASKS, topics::ATTEMPTS, topics::RECOVERY], handler)?;
     let dispatcher = dispatcher::Dispatcher {
         pool: app.base.database.pool.clone(),

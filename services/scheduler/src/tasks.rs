@@ -95,6 +95,72 @@ pub struct Context<'a> {
     pub catalog: &'a Catalog,
     pub settings: &'a SchedulerSettings,
     pub channel: &'a str,
+    /// Where the transaction gathers its statuses, one per task, when it applies
+    /// several inputs (a consumer's batch); `None` appends each status at once.
+    pub statuses: Option<&'a StatusBatch>,
+}
+
+impl Context<'_> {
+    /// Publishes `status` with the transaction: gathered if the transaction gathers
+    /// its statuses, else appended to the outbox now.
+    pub async fn publish_status(&self, tx: &mut PgConnection, status: Event) -> Result<(), fenceline_bus::Error> {
+        match self.statuses {
+            Some(batch) => batch.keep(status),
+            None => {
+                self.outbox.append(tx, topics::STATUS, None, &status).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The newest status of each task a consumer's batch moved, appended when the
+/// batch ends instead of one per input. `fenceline.status` promises each task's
+/// latest state (it is compacted; docs/architecture.md, "Status snapshots"): a
+/// snapshot that a later one of the same transaction replaces was never a
+/// committed state of its own, so it is not published. Appending in task order
+/// also takes the outbox's key locks in one order in every batch.
+#[derive(Debug, Default)]
+pub struct StatusBatch(std::sync::Mutex<std::collections::BTreeMap<TaskId, Kept>>);
+
+/// A gathered status and the trace of the event that decided it.
+#[derive(Debug)]
+struct Kept {
+    status: Event,
+    traceparent: Option<String>,
+}
+
+impl StatusBatch {
+    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<TaskId, Kept>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps `status`, in the current span's trace, unless the batch holds a newer
+    /// one of its task.
+    pub fn keep(&self, status: Event) {
+        let Event::TaskStatus(new) = &status else { return };
+        let mut kept = self.kept();
+        let newer_kept = matches!(kept.get(&new.task_id),
+            Some(Kept { status: Event::TaskStatus(old), .. }) if old.version >= new.version);
+        if !newer_kept {
+            let traceparent = fenceline_telemetry::current_traceparent();
+            kept.insert(new.task_id, Kept { status, traceparent });
+        }
+    }
+
+    /// Forgets what a rolled-back batch gathered.
+    pub fn discard(&self) {
+        self.kept().clear();
+    }
+
+    /// Appends the gathered statuses to the outbox in `tx`, in task order.
+    pub async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), fenceline_bus::Error> {
+        let kept = std::mem::take(&mut *self.kept());
+        for Kept { status, traceparent } in kept.into_values() {
+            outbox.append_in_trace(tx, topics::STATUS, None, &status, traceparent).await?;
+        }
+        Ok(())
+    }
 }
 
 /// Applies `input` to a locked row, stores it, carries out the effects and
@@ -114,8 +180,7 @@ pub async fn apply(
     }
     if transition.visible {
         version += 1;
-        let status = status_of(row, &transition.task, version, now);
-        ctx.outbox.append(tx, topics::STATUS, None, &status).await?;
+        ctx.publish_status(tx, status_of(row, &transition.task, version, now)).await?;
     }
     save(tx, ctx, row.task_id, &row.kind, &transition.task, version).await?;
     Ok(transition.task)
@@ -268,4 +333,49 @@ pub fn artifact_ref(a: &Artifact) -> ArtifactRef {
 
 pub fn artifact(a: &ArtifactRef) -> Artifact {
     Artifact { uri: a.uri.clone(), sha256: a.sha256.clone(), size_bytes: a.size_bytes }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(task_id: TaskId, version: i64) -> Event {
+        let row = TaskRow {
+            task_id,
+            tenant: "t".into(),
+            kind: "k".into(),
+            input_json: "{}".into(),
+            lifecycle: Task::accepted(0, None, None),
+            version,
+            pending_signal: None,
+            pending_step: None,
+            traceparent: None,
+        };
+        status_of(&row, &row.lifecycle, version, 0)
+    }
+
+    fn kept_versions(batch: &StatusBatch) -> Vec<(TaskId, i64)> {
+        batch
+            .kept()
+            .iter()
+            .map(|(id, kept)| match &kept.status {
+                Event::TaskStatus(s) => (*id, s.version),
+                _ => unreachable!("only statuses are kept"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_keeps_the_newest_status_of_each_task_and_forgets_on_discard() {
+        let (a, b) = (TaskId::new_v7(), TaskId::new_v7());
+        let batch = StatusBatch::default();
+        for event in [status(a, 2), status(b, 1), status(a, 3), status(a, 1), status(b, 2)] {
+            batch.keep(event);
+        }
+        let mut expected = vec![(a, 3), (b, 2)];
+        expected.sort();
+        assert_eq!(kept_versions(&batch), expected, "one status per task, the newest");
+        batch.discard();
+        assert!(kept_versions(&batch).is_empty(), "a rolled-back batch publishes nothing it gathered");
+    }
 }

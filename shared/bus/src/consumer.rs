@@ -140,6 +140,26 @@ pub trait Handler: Send + Sync + 'static {
     /// wait until the batch's rows are visible to others (waking workers that read
     /// them). The default does nothing.
     fn committed(&self) {}
+
+    /// Writes what the handler gathered over the batch's events instead of writing
+    /// it per event (the newest status of each task, one change mark per task), in
+    /// the batch's transaction, after its last event and before it commits. After a
+    /// refused event, when each event has a savepoint of its own, it is called after
+    /// every event, inside that event's savepoint. A handler that gathers keeps its
+    /// gatherings per consumer (each consumer owns its handler, and applies one batch
+    /// at a time). The default writes nothing.
+    fn flush(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+    ) -> impl Future<Output = Result<(), HandleError>> + Send {
+        let _ = (tx, outbox);
+        async { Ok(()) }
+    }
+
+    /// Forgets what the handler gathered and has not flushed: the transaction or
+    /// savepoint it belonged to was rolled back. Called before each batch too.
+    fn discard(&self) {}
 }
 
 /// What to do with a record that does not decode: hold it (retry later, with an
@@ -860,6 +880,8 @@ impl<H: Handler> Processor<H> {
         for message in batch {
             by_partition.entry((message.topic().to_owned(), message.partition())).or_default().push(message);
         }
+        // Whatever a failed try of a batch left gathered never committed.
+        self.handler.discard();
         let mut tx = self.pool.begin().await?;
         let mut applied = Applied::default();
         for ((topic, partition), messages) in by_partition {
@@ -914,6 +936,15 @@ impl<H: Handler> Processor<H> {
                         applied.progress.push((topic, partition, next_offset - 1));
                     }
                 }
+            }
+        }
+        if !savepoints {
+            match self.handler.flush(&mut tx, &self.outbox).await {
+                Ok(()) => {}
+                Err(e) if matches!(e, HandleError::Poison(_)) || e.refusal_of_the_record().is_some() => {
+                    return Err(BatchFailure::RefusedWithoutSavepoints);
+                }
+                Err(other) => return Err(other.into()),
             }
         }
         fault!("consumer.before_db_commit");
@@ -1027,7 +1058,12 @@ impl<H: Handler> Processor<H> {
             }
             // A savepoint, so that a handler refusing the event leaves nothing behind.
             let mut savepoint = Connection::begin(&mut **tx).await?;
-            match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span.clone()).await {
+            let handled_here =
+                match self.handler.handle(&mut savepoint, &self.outbox, &inbound).instrument(span.clone()).await {
+                    Ok(()) => self.handler.flush(&mut savepoint, &self.outbox).await,
+                    Err(e) => Err(e),
+                };
+            match handled_here {
                 Ok(()) => {
                     savepoint.commit().await?;
                     handled += 1;
@@ -1036,11 +1072,13 @@ impl<H: Handler> Processor<H> {
                 }
                 Err(HandleError::Poison(reason)) => {
                     savepoint.rollback().await?;
+                    self.handler.discard();
                     self.dead_letter(tx, message, &reason).await?;
                 }
                 Err(other) => match other.refusal_of_the_record() {
                     Some(reason) => {
                         savepoint.rollback().await?;
+                        self.handler.discard();
                         self.dead_letter(tx, message, &reason).await?;
                     }
                     None => return Err(other.into()),

@@ -79,6 +79,20 @@ impl OutboxWriter {
         key: Option<&[u8]>,
         event: &Event,
     ) -> Result<EventId, Error> {
+        self.append_in_trace(conn, topic, key, event, fenceline_telemetry::current_traceparent()).await
+    }
+
+    /// As [`OutboxWriter::append`], in the trace of `traceparent` rather than the
+    /// current span's: for an event decided under one span and written under
+    /// another (a consumer's batch writes what its events gathered when it ends).
+    pub async fn append_in_trace(
+        &self,
+        conn: &mut PgConnection,
+        topic: &str,
+        key: Option<&[u8]>,
+        event: &Event,
+        traceparent: Option<String>,
+    ) -> Result<EventId, Error> {
         let task_key = event.task_id().map(|id| id.to_string().into_bytes());
         let key: Option<&[u8]> = task_key.as_deref().or(key);
         let (payload, fingerprint) = encode(event)?;
@@ -88,7 +102,7 @@ impl OutboxWriter {
             schema_fingerprint: hex::encode(fingerprint),
             producer: self.producer.to_owned(),
             produced_at: Timestamp::now(),
-            traceparent: fenceline_telemetry::current_traceparent(),
+            traceparent,
         };
         let shard = shard_for_key(key.unwrap_or_default(), self.shards);
         if let Some(key) = key {

@@ -39,7 +39,11 @@ const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = 
 /// The per-key transaction lock writers take, so that rows of one key get ids in
 /// the order their transactions commit; scoped to the schema like the shard locks,
 /// so that a batch of one service never waits on another's writers.
-const KEY_LOCK: &str = "hashtextextended(current_schema() || ':outbox-key:' || encode($1, 'escape'), 0)";
+/// It is taken in the statement that inserts the row (the key is its third
+/// parameter), before the row's id is drawn.
+const KEY_LOCKED: &str = "WITH key_lock AS MATERIALIZED (SELECT 1 AS held FROM pg_advisory_xact_lock(\
+     hashtextextended(current_schema() || ':outbox-key:' || encode($3, 'escape'), 0)))";
+const OUTBOX_COLUMNS: &str = "shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, produced_at_us, traceparent";
 
 /// The `event_type` header of a tombstone. Do not change: dashboards may match it
 /// (docs/wire.md, "Tombstones on fenceline.status").
@@ -105,25 +109,26 @@ impl OutboxWriter {
             traceparent,
         };
         let shard = shard_for_key(key.unwrap_or_default(), self.shards);
-        if let Some(key) = key {
-            sqlx::query(&format!("SELECT pg_advisory_xact_lock({KEY_LOCK})")).bind(key).execute(&mut *conn).await?;
-        }
-        sqlx::query(
-            "INSERT INTO outbox (shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, \
-             producer, produced_at_us, traceparent) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(i16::try_from(shard).unwrap_or(i16::MAX))
-        .bind(self.topic(topic))
-        .bind(key)
-        .bind(payload)
-        .bind(headers.event_id.as_uuid())
-        .bind(&headers.event_type)
-        .bind(&headers.schema_fingerprint)
-        .bind(&headers.producer)
-        .bind(headers.produced_at.0)
-        .bind(&headers.traceparent)
-        .execute(&mut *conn)
-        .await?;
+        let statement = match key {
+            Some(_) => format!(
+                "{KEY_LOCKED} INSERT INTO outbox ({OUTBOX_COLUMNS}) \
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM key_lock"
+            ),
+            None => format!("INSERT INTO outbox ({OUTBOX_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+        };
+        sqlx::query(&statement)
+            .bind(i16::try_from(shard).unwrap_or(i16::MAX))
+            .bind(self.topic(topic))
+            .bind(key)
+            .bind(payload)
+            .bind(headers.event_id.as_uuid())
+            .bind(&headers.event_type)
+            .bind(&headers.schema_fingerprint)
+            .bind(&headers.producer)
+            .bind(headers.produced_at.0)
+            .bind(&headers.traceparent)
+            .execute(&mut *conn)
+            .await?;
         Ok(headers.event_id)
     }
 
@@ -134,11 +139,9 @@ impl OutboxWriter {
     pub async fn append_tombstone(&self, conn: &mut PgConnection, topic: &str, key: &[u8]) -> Result<EventId, Error> {
         let event_id = EventId::new_v7();
         let shard = shard_for_key(key, self.shards);
-        sqlx::query(&format!("SELECT pg_advisory_xact_lock({KEY_LOCK})")).bind(key).execute(&mut *conn).await?;
-        sqlx::query(
-            "INSERT INTO outbox (shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, \
-             producer, produced_at_us, traceparent) VALUES ($1, $2, $3, NULL, $4, $5, '', $6, $7, $8)",
-        )
+        sqlx::query(&format!(
+            "{KEY_LOCKED} INSERT INTO outbox ({OUTBOX_COLUMNS}) SELECT $1, $2, $3, NULL, $4, $5, '', $6, $7, $8 FROM key_lock"
+        ))
         .bind(i16::try_from(shard).unwrap_or(i16::MAX))
         .bind(self.topic(topic))
         .bind(key)

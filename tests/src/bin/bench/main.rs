@@ -4,7 +4,8 @@
 //! and the medians, writes every figure as JSON and an SVG chart into
 //! `BENCH_OUT` (default `bench-results/<time>/`). Scenarios (`BENCH_SCENARIOS`,
 //! comma-separated, default all): `throughput`, `loads`, `executors`, `peer`,
-//! `tickets`, `backlog`, `admission`. Run through `deploy/local/stack bench`; the settings are
+//! `tickets`, `backlog`, `admission`, `settings` (`BENCH_TRY` against the
+//! defaults, alternating runs). Run through `deploy/local/stack bench`; the settings are
 //! listed in docs/performance.md. `bench chart FILE.json` draws the chart of
 //! figures written before.
 
@@ -134,9 +135,10 @@ async fn main() {
             "tickets" => scenarios::tickets(&settings).await,
             "backlog" => scenarios::backlog(&settings).await,
             "admission" => scenarios::admission(&settings).await,
+            "settings" => scenarios::settings_tried(&settings).await,
             other => {
                 println!(
-                    "unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog, admission"
+                    "unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog, admission, settings"
                 );
                 continue;
             }

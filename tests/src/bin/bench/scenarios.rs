@@ -200,6 +200,13 @@ impl Bench {
         Self::start(executors, Caps::default(), (1_000_000, 1_000_000.0)).await
     }
 
+    /// As [`Bench::unlimited`], every service given `settings` besides.
+    async fn unlimited_with(executors: u64, settings: &[(&'static str, String)]) -> Self {
+        let mut env = unlimited_admission();
+        env.extend(settings.iter().cloned());
+        Self::start_admitting(executors, Caps::default(), (1_000_000, 1_000_000.0), env).await
+    }
+
     fn target(&self, kind: &str) -> Target {
         Target {
             base: self.system.url_of("intake"),
@@ -510,6 +517,46 @@ pub async fn throughput(settings: &Settings) -> Value {
         })
         .await;
         out.insert(kind.to_owned(), figures);
+    }
+    Value::Object(out)
+}
+
+/// Service settings against the defaults, in the same run: the closed loop of
+/// [`throughput`] for each kind, runs alternating between the defaults and the
+/// settings of `BENCH_TRY` (`NAME=value` pairs separated by spaces), so that the
+/// machine's drift touches both alike; prints both medians and their ratio.
+pub async fn settings_tried(settings: &Settings) -> Value {
+    let tried: Vec<(&'static str, String)> = std::env::var("BENCH_TRY")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(name, value)| (&*Box::leak(name.to_owned().into_boxed_str()), value.to_owned()))
+        .collect();
+    if tried.is_empty() {
+        println!("  BENCH_TRY names no setting (NAME=value ...); nothing to compare");
+        return Value::Null;
+    }
+    let mut out = serde_json::Map::new();
+    out.insert("tried".into(), json!(tried.iter().map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>()));
+    for kind in [ONE_STEP, THREE_STEP] {
+        let (mut defaults, mut with) = (Vec::new(), Vec::new());
+        for run in 1..=settings.runs {
+            // Which goes first alternates too.
+            for tried_now in if run % 2 == 1 { [false, true] } else { [true, false] } {
+                let mut bench = Bench::unlimited_with(1, if tried_now { &tried } else { &[] }).await;
+                let figures =
+                    measure(&mut bench, kind, PaceSpec::Window(settings.window), settings.seconds, settings).await;
+                let label = if tried_now { "tried" } else { "defaults" };
+                line(&format!("{kind} {label} run {run}"), &figures);
+                if tried_now { with.push(figures) } else { defaults.push(figures) }
+            }
+        }
+        let (defaults, with) =
+            (summarised(&format!("{kind} defaults"), defaults), summarised(&format!("{kind} tried"), with));
+        let rate = |v: &Value| v["median"]["throughput_per_s"].as_f64().unwrap_or(0.0);
+        let ratio = round(rate(&with) / rate(&defaults).max(1e-9), 3);
+        println!("  {kind}: tried / defaults = {ratio}");
+        out.insert(kind.to_owned(), json!({"defaults": defaults, "tried": with, "throughput_ratio": ratio}));
     }
     Value::Object(out)
 }

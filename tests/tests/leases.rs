@@ -173,13 +173,13 @@ fn one_worker() -> Vec<(&'static str, String)> {
     vec![("FENCELINE_EXECUTOR_WORKERS", "1".to_owned())]
 }
 
-/// How many executor writes waiting for `table`'s lock were cut, as a database
-/// outage cuts connections.
+/// How many executor writes into `table` waiting for its lock were cut, as a
+/// database outage cuts connections.
 async fn cut_writes_waiting_for(system: &System, table: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
          WHERE datname = current_database() AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' \
-         AND query LIKE 'INSERT INTO ' || $1 || '%'",
+         AND query LIKE '%INSERT INTO ' || $1 || ' %'",
     )
     .bind(table)
     .fetch_one(&system.pool)

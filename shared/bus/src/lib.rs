@@ -11,7 +11,7 @@ pub use consumer::{
     ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,
 };
 pub use fenceline_events::topics::named as topic_name;
-pub use outbox::{OutboxWriter, Relay, RelayStats};
+pub use outbox::{OutboxRow, OutboxWriter, Relay, RelayStats};
 
 /// The bus tables (consumer progress, processed events, outbox), migrated into the
 /// service's schema before the service's own migrations.

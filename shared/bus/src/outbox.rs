@@ -36,13 +36,11 @@ const SHARD_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock(hashtextextended(curre
      || s::text, 0)) FROM unnest($1::int[]) AS s";
 /// Marks a batch of rows, by id, published.
 const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = ANY($1)";
-/// The per-key transaction lock writers take, so that rows of one key get ids in
-/// the order their transactions commit; scoped to the schema like the shard locks,
-/// so that a batch of one service never waits on another's writers.
-/// It is taken in the statement that inserts the row (the key is its third
-/// parameter), before the row's id is drawn.
-const KEY_LOCKED: &str = "WITH key_lock AS MATERIALIZED (SELECT 1 AS held FROM pg_advisory_xact_lock(\
-     hashtextextended(current_schema() || ':outbox-key:' || encode($3, 'escape'), 0)))";
+/// The outbox's columns, in the order rows bind them ([`OutboxRow::bind`]). Writers
+/// take a transaction lock on the record key ([`OutboxRow::inserted_after`]), so
+/// that rows of one key get ids in the order their transactions commit; scoped to
+/// the schema like the shard locks, so that a batch of one service never waits on
+/// another's writers.
 const OUTBOX_COLUMNS: &str = "shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, produced_at_us, traceparent";
 
 /// The `event_type` header of a tombstone. Do not change: dashboards may match it
@@ -97,39 +95,41 @@ impl OutboxWriter {
         event: &Event,
         traceparent: Option<String>,
     ) -> Result<EventId, Error> {
-        let task_key = event.task_id().map(|id| id.to_string().into_bytes());
-        let key: Option<&[u8]> = task_key.as_deref().or(key);
+        let row = self.row_in_trace(topic, key, event, traceparent)?;
+        let event_id = row.event_id;
+        row.insert(conn).await?;
+        Ok(event_id)
+    }
+
+    /// `event` encoded as the row that carries it, keyed as [`OutboxWriter::append`]
+    /// keys it, in the current span's trace: for a writer that inserts it within a
+    /// statement of its own ([`OutboxRow::inserted_after`]).
+    pub fn row(&self, topic: &str, event: &Event) -> Result<OutboxRow, Error> {
+        self.row_in_trace(topic, None, event, fenceline_telemetry::current_traceparent())
+    }
+
+    fn row_in_trace(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        event: &Event,
+        traceparent: Option<String>,
+    ) -> Result<OutboxRow, Error> {
+        let key = event.task_id().map(|id| id.to_string().into_bytes()).or_else(|| key.map(<[u8]>::to_vec));
         let (payload, fingerprint) = encode(event)?;
-        let headers = Headers {
+        let shard = shard_for_key(key.as_deref().unwrap_or_default(), self.shards);
+        Ok(OutboxRow {
+            shard: i16::try_from(shard).unwrap_or(i16::MAX),
+            topic: self.topic(topic),
+            key,
+            payload: Some(payload),
             event_id: EventId::new_v7(),
             event_type: event.event_type().to_owned(),
             schema_fingerprint: hex::encode(fingerprint),
-            producer: self.producer.to_owned(),
+            producer: self.producer,
             produced_at: Timestamp::now(),
             traceparent,
-        };
-        let shard = shard_for_key(key.unwrap_or_default(), self.shards);
-        let statement = match key {
-            Some(_) => format!(
-                "{KEY_LOCKED} INSERT INTO outbox ({OUTBOX_COLUMNS}) \
-                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM key_lock"
-            ),
-            None => format!("INSERT INTO outbox ({OUTBOX_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
-        };
-        sqlx::query(&statement)
-            .bind(i16::try_from(shard).unwrap_or(i16::MAX))
-            .bind(self.topic(topic))
-            .bind(key)
-            .bind(payload)
-            .bind(headers.event_id.as_uuid())
-            .bind(&headers.event_type)
-            .bind(&headers.schema_fingerprint)
-            .bind(&headers.producer)
-            .bind(headers.produced_at.0)
-            .bind(&headers.traceparent)
-            .execute(&mut *conn)
-            .await?;
-        Ok(headers.event_id)
+        })
     }
 
     /// Appends a tombstone for `key` on `topic`, a compacted topic: a record with a
@@ -137,27 +137,95 @@ impl OutboxWriter {
     /// "Tombstones on fenceline.status"). It is ordered after the key's earlier rows
     /// like any append; its headers carry an `event_id` and `event_type` [`TOMBSTONE`].
     pub async fn append_tombstone(&self, conn: &mut PgConnection, topic: &str, key: &[u8]) -> Result<EventId, Error> {
-        let event_id = EventId::new_v7();
-        let shard = shard_for_key(key, self.shards);
-        sqlx::query(&format!(
-            "{KEY_LOCKED} INSERT INTO outbox ({OUTBOX_COLUMNS}) SELECT $1, $2, $3, NULL, $4, $5, '', $6, $7, $8 FROM key_lock"
-        ))
-        .bind(i16::try_from(shard).unwrap_or(i16::MAX))
-        .bind(self.topic(topic))
-        .bind(key)
-        .bind(event_id.as_uuid())
-        .bind(TOMBSTONE)
-        .bind(self.producer)
-        .bind(Timestamp::now().0)
-        .bind(fenceline_telemetry::current_traceparent())
-        .execute(&mut *conn)
-        .await?;
+        let row = OutboxRow {
+            shard: i16::try_from(shard_for_key(key, self.shards)).unwrap_or(i16::MAX),
+            topic: self.topic(topic),
+            key: Some(key.to_vec()),
+            payload: None,
+            event_id: EventId::new_v7(),
+            event_type: TOMBSTONE.to_owned(),
+            schema_fingerprint: String::new(),
+            producer: self.producer,
+            produced_at: Timestamp::now(),
+            traceparent: fenceline_telemetry::current_traceparent(),
+        };
+        let event_id = row.event_id;
+        row.insert(conn).await?;
         Ok(event_id)
     }
 
     /// Tells this process's relay that rows were committed. Call after the commit.
     pub fn committed(&self) {
         self.written.notify_one();
+    }
+}
+
+/// An event encoded as the outbox row that carries it ([`OutboxWriter::row`]).
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    shard: i16,
+    topic: String,
+    key: Option<Vec<u8>>,
+    /// `None` for a tombstone.
+    payload: Option<Vec<u8>>,
+    event_id: EventId,
+    event_type: String,
+    schema_fingerprint: String,
+    producer: &'static str,
+    produced_at: Timestamp,
+    traceparent: Option<String>,
+}
+
+impl OutboxRow {
+    /// How many parameters [`OutboxRow::bind`] binds.
+    pub const PARAMETERS: usize = 10;
+
+    /// Common table expressions (without the leading `WITH`) that take the row's key
+    /// lock and insert the row once for each row `guard` yields (a `FROM` item:
+    /// another CTE's name, whose zero rows insert nothing), with the row's
+    /// parameters numbered from `$first`. The lock is taken before the row's id is
+    /// drawn, so rows of one key get ids in commit order ([`OutboxWriter::append`]).
+    pub fn inserted_after(guard: &str, first: usize) -> String {
+        let p: Vec<String> = (first..first + Self::PARAMETERS).map(|n| format!("${n}")).collect();
+        format!(
+            "outbox_key_lock AS MATERIALIZED (SELECT 1 AS held FROM {guard}, pg_advisory_xact_lock(\
+             hashtextextended(current_schema() || ':outbox-key:' || encode({key}, 'escape'), 0))), \
+             outbox_row AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) SELECT {values} FROM outbox_key_lock)",
+            key = p[2],
+            values = p.join(", "),
+        )
+    }
+
+    /// Binds the row's parameters, in [`OUTBOX_COLUMNS`] order, after those `query` has.
+    pub fn bind<'q>(
+        self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        query
+            .bind(self.shard)
+            .bind(self.topic)
+            .bind(self.key)
+            .bind(self.payload)
+            .bind(self.event_id.as_uuid())
+            .bind(self.event_type)
+            .bind(self.schema_fingerprint)
+            .bind(self.producer)
+            .bind(self.produced_at.0)
+            .bind(self.traceparent)
+    }
+
+    pub fn event_id(&self) -> EventId {
+        self.event_id
+    }
+
+    /// Inserts the row in a statement of its own, under its key's lock if it has a key.
+    async fn insert(self, conn: &mut PgConnection) -> Result<(), Error> {
+        let statement = match self.key {
+            Some(_) => format!("WITH {} SELECT 1", Self::inserted_after("(SELECT 1) AS always", 1)),
+            None => format!("INSERT INTO outbox ({OUTBOX_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+        };
+        self.bind(sqlx::query(&statement)).execute(&mut *conn).await?;
+        Ok(())
     }
 }
 

@@ -180,66 +180,77 @@ impl Workers {
         }
     }
 
+    /// One try of a fenced write. A transition with at most one event and no key
+    /// to move (every phase of a call that goes well) is one statement that commits
+    /// on its own: one round trip instead of a transaction's four or five. The others
+    /// are a transaction. Either way the conditional update on the fencing token
+    /// guards everything written: a fenced worker's write changes nothing.
     async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
-        match events {
-            [] if t.new_key.is_none() => self.try_record_at_once(lease, t, None).await,
-            [event] if t.new_key.is_none() => self.try_record_at_once(lease, t, Some(event)).await,
-            _ => self.try_record_in_transaction(lease, t, events).await,
+        // Before the statement leaves: the lease it renews holds at least this long.
+        let sent = tokio::time::Instant::now();
+        let (cancel_requested, granted_us, seq) = if t.new_key.is_none() && events.len() <= 1 {
+            let row = events.first().map(|event| self.outbox.row(topics::ATTEMPTS, event)).transpose()?;
+            let statement = fenced_statement(t, row.is_some());
+            let query = self.bind_fenced(sqlx::query(&statement), lease, t);
+            let query = match row {
+                Some(row) => row.bind(query),
+                None => query,
+            };
+            fenced(query.fetch_optional(&self.pool).await?)?
+        } else {
+            let mut tx = self.pool.begin().await?;
+            let update_only = Transition { sequence_of: None, checkpoint: None, ..*t };
+            let statement = fenced_statement(&update_only, false);
+            // Dropping the transaction rolls back: nothing below happens for a fenced worker.
+            let (cancel_requested, granted_us, _) =
+                fenced(self.bind_fenced(sqlx::query(&statement), lease, t).fetch_optional(&mut *tx).await?)?;
+            let seq = match t.sequence_of {
+                Some(step) => Some(sequence(&mut tx, lease, step).await?),
+                None => None,
+            };
+            if let Some(new_key) = t.new_key
+                && !bump_seq(&mut tx, lease, new_key).await?
+            {
+                info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
+                    "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
+            }
+            if let Some(c) = t.checkpoint {
+                sqlx::query(
+                    "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                )
+                .bind(lease.task_id.as_uuid())
+                .bind(lease.generation)
+                .bind(c.step)
+                .bind(c.output)
+                .bind(c.sha256)
+                .bind(lease.attempt)
+                .execute(&mut *tx)
+                .await?;
+            }
+            for event in events {
+                self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
+            }
+            tx.commit().await?;
+            (cancel_requested, granted_us, seq)
+        };
+        self.outbox.committed();
+        if let Some(us) = granted_us {
+            lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
         }
+        Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
     }
 
-    /// The fenced write of a transition with at most one event and no key to move
-    /// (every phase of a call that goes well) as one statement that commits on its
-    /// own: one round trip instead of a transaction's four or five. The same
-    /// conditional update guards everything the statement writes: a fenced worker's
-    /// statement changes nothing.
-    async fn try_record_at_once(
+    /// Binds the parameters of [`fenced_statement`] but the outbox row's.
+    fn bind_fenced<'q>(
         &self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
         lease: &Lease,
-        t: &Transition<'_>,
-        event: Option<&Event>,
-    ) -> Result<Recorded, Stop> {
-        let sent = tokio::time::Instant::now();
+        t: &Transition<'q>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
         let (key, request_id) = t.call.unzip();
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        let row = event.map(|event| self.outbox.row(topics::ATTEMPTS, event)).transpose()?;
-        // Only the tables the transition writes are named, so a statement locks no
-        // table it does not write; each shape is one prepared statement.
-        let sequence = match t.sequence_of {
-            Some(_) => {
-                ", step_seq AS ( \
-                 INSERT INTO call_sequences (task_id, generation, step) SELECT $11, $12, $13 FROM written \
-                 ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq)"
-            }
-            None => "",
-        };
-        let checkpoint = match t.checkpoint {
-            Some(_) => {
-                ", stored_checkpoint AS ( \
-                 INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
-                 SELECT $11, $12, $14, $15, $16, $17 FROM written ON CONFLICT DO NOTHING)"
-            }
-            None => "",
-        };
-        let outbox = match row {
-            Some(_) => format!(", {}", fenceline_bus::OutboxRow::inserted_after("written", 18)),
-            None => String::new(),
-        };
-        let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
-        let statement = format!(
-            "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \
-             written AS ( \
-                 UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
-                     step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
-                     provider_request_id = COALESCE($8, provider_request_id), \
-                     lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
-                 FROM clock \
-                 WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
-                 RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
-             {sequence}{checkpoint}{outbox} \
-             SELECT written.cancel_requested, written.granted_us, {seq} FROM written"
-        );
-        let query = sqlx::query(&statement)
+        query
             .bind(lease.grant_id.as_uuid())
             .bind(lease.token)
             .bind(lease.phase.as_str())
@@ -256,95 +267,7 @@ impl Workers {
             .bind(t.checkpoint.map(|c| c.step))
             .bind(t.checkpoint.map(|c| c.output))
             .bind(t.checkpoint.map(|c| c.sha256))
-            .bind(lease.attempt);
-        let query = match row {
-            Some(row) => row.bind(query),
-            None => query,
-        };
-        let written: Option<(bool, Option<i64>, Option<i32>)> = match query.fetch_optional(&self.pool).await? {
-            Some(row) => Some((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)),
-            None => None,
-        };
-        let Some((cancel_requested, granted_us, seq)) = written else {
-            return Err(Stop::Fenced);
-        };
-        self.outbox.committed();
-        if let Some(us) = granted_us {
-            lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
-        }
-        Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
-    }
-
-    async fn try_record_in_transaction(
-        &self,
-        lease: &Lease,
-        t: &Transition<'_>,
-        events: &[Event],
-    ) -> Result<Recorded, Stop> {
-        // Before the statement leaves: the lease it renews holds at least this long.
-        let sent = tokio::time::Instant::now();
-        let mut tx = self.pool.begin().await?;
-        let (key, request_id) = t.call.unzip();
-        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        let written: Option<(bool, Option<i64>)> = sqlx::query_as(
-            "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us) \
-             UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
-                 step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
-                 provider_request_id = COALESCE($8, provider_request_id), \
-                 lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
-             FROM clock \
-             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
-             RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END",
-        )
-        .bind(lease.grant_id.as_uuid())
-        .bind(lease.token)
-        .bind(lease.phase.as_str())
-        .bind(t.phase.as_str())
-        .bind(t.step)
-        .bind(t.status.as_str())
-        .bind(key)
-        .bind(request_id.flatten())
-        .bind(t.renew_lease)
-        .bind(lease_us)
-        .fetch_optional(&mut *tx)
-        .await?;
-        // Dropping the transaction rolls back: nothing below happens for a fenced worker.
-        let Some((cancel_requested, granted_us)) = written else {
-            return Err(Stop::Fenced);
-        };
-        let seq = match t.sequence_of {
-            Some(step) => Some(sequence(&mut tx, lease, step).await?),
-            None => None,
-        };
-        if let Some(new_key) = t.new_key
-            && !bump_seq(&mut tx, lease, new_key).await?
-        {
-            info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
-                "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
-        }
-        if let Some(c) = t.checkpoint {
-            sqlx::query(
-                "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-            )
-            .bind(lease.task_id.as_uuid())
-            .bind(lease.generation)
-            .bind(c.step)
-            .bind(c.output)
-            .bind(c.sha256)
             .bind(lease.attempt)
-            .execute(&mut *tx)
-            .await?;
-        }
-        for event in events {
-            self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
-        }
-        tx.commit().await?;
-        self.outbox.committed();
-        if let Some(us) = granted_us {
-            lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
-        }
-        Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
     }
 
     /// Whether the execution already shows `t` written under this worker's token.
@@ -487,4 +410,51 @@ async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> 
     .execute(&mut *tx)
     .await?;
     Ok(bumped.rows_affected() == 1)
+}
+
+/// The fenced write of `t` as one statement: the conditional update on the fencing
+/// token and phase, then, guarded by it, the step's call `seq`, the checkpoint and
+/// (with `event`) the outbox row under its key lock. Only the tables the transition
+/// writes are named, so a statement locks no table it does not write; each shape
+/// is one prepared statement. Returns the cancel flag, the lease granted (when
+/// renewing) and the `seq`.
+fn fenced_statement(t: &Transition<'_>, event: bool) -> String {
+    let sequence = match t.sequence_of {
+        Some(_) => {
+            ", step_seq AS ( \
+             INSERT INTO call_sequences (task_id, generation, step) SELECT $11, $12, $13 FROM written \
+             ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq)"
+        }
+        None => "",
+    };
+    let checkpoint = match t.checkpoint {
+        Some(_) => {
+            ", stored_checkpoint AS ( \
+             INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
+             SELECT $11, $12, $14, $15, $16, $17 FROM written ON CONFLICT DO NOTHING)"
+        }
+        None => "",
+    };
+    let outbox =
+        if event { format!(", {}", fenceline_bus::OutboxRow::inserted_after("written", 18)) } else { String::new() };
+    let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
+    format!(
+        "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \
+         written AS ( \
+             UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
+                 step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
+                 provider_request_id = COALESCE($8, provider_request_id), \
+                 lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
+             FROM clock \
+             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
+             RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
+         {sequence}{checkpoint}{outbox} \
+         SELECT written.cancel_requested, written.granted_us, {seq} FROM written"
+    )
+}
+
+/// What [`fenced_statement`] read back; no row: another worker holds the execution.
+fn fenced(row: Option<sqlx::postgres::PgRow>) -> Result<(bool, Option<i64>, Option<i32>), Stop> {
+    let row = row.ok_or(Stop::Fenced)?;
+    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
 }

@@ -215,6 +215,20 @@ pub fn spawn_probe_consumer(
     writer: OutboxWriter,
     shutdown: &tokio_util::sync::CancellationToken,
 ) -> Result<fenceline_bus::ConsumerHandle, fenceline_bus::Error> {
+    spawn_status_consumer(db, prefix, group, instance, writer, ProbeHandler, shutdown)
+}
+
+/// A consumer of the status topic of `prefix` with `handler`, writing dead letters
+/// through `writer`.
+pub fn spawn_status_consumer<H: Handler>(
+    db: &fenceline_store::Database,
+    prefix: &str,
+    group: &str,
+    instance: &str,
+    writer: OutboxWriter,
+    handler: H,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<fenceline_bus::ConsumerHandle, fenceline_bus::Error> {
     fenceline_bus::FencedConsumer::spawn(
         fenceline_bus::ConsumerSpec {
             group: group.to_owned(),
@@ -226,7 +240,7 @@ pub fn spawn_probe_consumer(
         &consumer_config(),
         db.pool.clone(),
         writer,
-        ProbeHandler,
+        handler,
         shutdown.clone(),
     )
 }

@@ -669,21 +669,9 @@ async fn what_a_handler_gathers_is_written_once_per_batch_and_a_refused_event_le
     let shutdown = CancellationToken::new();
     let writer = OutboxWriter::new("gathering", &prefix, outbox_config().shards);
     start_relay("gathering-relay", &consumer_db, &kafka(&prefix), &writer, &shutdown);
-    let consumer = fenceline_bus::FencedConsumer::spawn(
-        fenceline_bus::ConsumerSpec {
-            group: group.clone(),
-            topics: vec![topics::named(&prefix, topics::STATUS)],
-            instance: "gathering".into(),
-            drain_grace: Duration::from_secs(5),
-        },
-        &kafka(&prefix),
-        &consumer_config(),
-        consumer_db.pool.clone(),
-        writer,
-        Gathering::default(),
-        shutdown.clone(),
-    )
-    .expect("consumer");
+    let consumer =
+        spawn_status_consumer(&consumer_db, &prefix, &group, "gathering", writer, Gathering::default(), &shutdown)
+            .expect("consumer");
 
     // (newest version written, writes) of `task` once its newest is `expected`.
     let flushed = |task: TaskId, expected: i64| {

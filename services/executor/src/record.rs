@@ -199,40 +199,20 @@ impl Workers {
             fenced(query.fetch_optional(&self.pool).await?)?
         } else {
             let mut tx = self.pool.begin().await?;
-            let update_only = Transition { sequence_of: None, checkpoint: None, ..*t };
-            let statement = fenced_statement(&update_only, false);
+            let statement = fenced_statement(t, false);
             // Dropping the transaction rolls back: nothing below happens for a fenced worker.
-            let (cancel_requested, granted_us, _) =
-                fenced(self.bind_fenced(sqlx::query(&statement), lease, t).fetch_optional(&mut *tx).await?)?;
-            let seq = match t.sequence_of {
-                Some(step) => Some(sequence(&mut tx, lease, step).await?),
-                None => None,
-            };
+            let written = fenced(self.bind_fenced(sqlx::query(&statement), lease, t).fetch_optional(&mut *tx).await?)?;
             if let Some(new_key) = t.new_key
                 && !bump_seq(&mut tx, lease, new_key).await?
             {
                 info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
                     "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
             }
-            if let Some(c) = t.checkpoint {
-                sqlx::query(
-                    "INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
-                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-                )
-                .bind(lease.task_id.as_uuid())
-                .bind(lease.generation)
-                .bind(c.step)
-                .bind(c.output)
-                .bind(c.sha256)
-                .bind(lease.attempt)
-                .execute(&mut *tx)
-                .await?;
-            }
             for event in events {
                 self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
             }
             tx.commit().await?;
-            (cancel_requested, granted_us, seq)
+            written
         };
         self.outbox.committed();
         if let Some(us) = granted_us {

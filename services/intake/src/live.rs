@@ -34,19 +34,26 @@ pub const REPLAY_LIMIT: i64 = 1000;
 /// already knows of the task; a task intake knows nothing of is not announced
 /// (its first status snapshot announces it).
 pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str>) -> Result<(), sqlx::Error> {
+    mark(tx, &[task_id.as_uuid()], &[tenant.map(str::to_owned)]).await
+}
+
+/// Marks `ids` changed (each with its tenant, if known) and notifies the listeners
+/// when the transaction commits, in task order.
+async fn mark(tx: &mut PgConnection, ids: &[uuid::Uuid], tenants: &[Option<String>]) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "WITH owner AS ( \
-           SELECT $2::text AS tenant WHERE $2::text IS NOT NULL \
-           UNION ALL SELECT tenant FROM task_view WHERE task_id = $1 \
-           UNION ALL SELECT tenant FROM tasks WHERE task_id = $1 LIMIT 1), \
+        "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
+         owner AS ( \
+           SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
+           LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id), \
          marked AS ( \
-           INSERT INTO task_changes (task_id, tenant, changed_at) SELECT $1, tenant, clock_timestamp() FROM owner \
+           INSERT INTO task_changes (task_id, tenant, changed_at) \
+           SELECT task_id, tenant, clock_timestamp() FROM owner WHERE tenant IS NOT NULL ORDER BY task_id \
            ON CONFLICT (task_id) DO UPDATE SET \
-             changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING tenant) \
-         SELECT pg_notify(current_schema() || $3, tenant || ' ' || $1::text) FROM marked",
+             changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING task_id, tenant) \
+         SELECT pg_notify(current_schema() || $3, tenant || ' ' || task_id::text) FROM marked",
     )
-    .bind(task_id.as_uuid())
-    .bind(tenant)
+    .bind(ids)
+    .bind(tenants)
     .bind(CHANNEL_SUFFIX)
     .execute(&mut *tx)
     .await?;
@@ -84,24 +91,7 @@ impl BatchMarks {
         }
         let (ids, tenants): (Vec<uuid::Uuid>, Vec<Option<String>>) =
             marks.into_iter().map(|(id, tenant)| (id.as_uuid(), tenant)).unzip();
-        sqlx::query(
-            "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
-             owner AS ( \
-               SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
-               LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id), \
-             marked AS ( \
-               INSERT INTO task_changes (task_id, tenant, changed_at) \
-               SELECT task_id, tenant, clock_timestamp() FROM owner WHERE tenant IS NOT NULL ORDER BY task_id \
-               ON CONFLICT (task_id) DO UPDATE SET \
-                 changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING task_id, tenant) \
-             SELECT pg_notify(current_schema() || $3, tenant || ' ' || task_id::text) FROM marked",
-        )
-        .bind(&ids)
-        .bind(&tenants)
-        .bind(CHANNEL_SUFFIX)
-        .execute(&mut *tx)
-        .await?;
-        Ok(())
+        mark(tx, &ids, &tenants).await
     }
 }
 

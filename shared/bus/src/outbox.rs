@@ -214,10 +214,6 @@ impl OutboxRow {
             .bind(self.traceparent)
     }
 
-    pub fn event_id(&self) -> EventId {
-        self.event_id
-    }
-
     /// Inserts the row in a statement of its own, under its key's lock if it has a key.
     async fn insert(self, conn: &mut PgConnection) -> Result<(), Error> {
         let statement = match self.key {

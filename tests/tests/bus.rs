@@ -712,3 +712,55 @@ async fn what_a_handler_gathers_is_written_once_per_batch_and_a_refused_event_le
     consumer.join().await;
     drop(upstream);
 }
+
+/// Rows appended together ([`fenceline_bus::OutboxRow::insert_all`], as a batch's
+/// gathered statuses and an executor phase with several events are) take their
+/// keys' locks like single appends: they wait for an open transaction that wrote
+/// one of their keys, draw their ids after it committed, and keep the order given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_appended_together_wait_for_an_open_writer_of_their_keys_and_keep_their_order() {
+    let url = fresh_database().await;
+    let db = schema(&url, "upstream").await;
+    let writer = OutboxWriter::new("upstream", "unused", outbox_config().shards);
+    let (x, y) = (TaskId::new_v7(), TaskId::new_v7());
+
+    let mut open = db.pool.begin().await.expect("begin");
+    writer.append(&mut open, topics::STATUS, None, &status_event(x, 1)).await.expect("append x v1");
+    let together = {
+        let (pool, writer) = (db.pool.clone(), writer.clone());
+        tokio::spawn(async move {
+            let rows = [status_event(x, 2), status_event(y, 1), status_event(x, 3)]
+                .iter()
+                .map(|event| writer.row(topics::STATUS, event))
+                .collect::<Result<Vec<_>, _>>()
+                .expect("rows");
+            let mut tx = pool.begin().await.expect("begin");
+            fenceline_bus::OutboxRow::insert_all(rows, &mut tx).await.expect("insert together");
+            tx.commit().await.expect("commit");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!together.is_finished(), "the rows appended together waited for the open writer of x");
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox").fetch_one(&db.pool).await.expect("count");
+    assert_eq!(written, 0, "nothing is visible before the open writer commits");
+    open.commit().await.expect("commit the open writer");
+    together.await.expect("appended together");
+
+    let rows: Vec<(i64, Vec<u8>, Vec<u8>)> = sqlx::query_as("SELECT id, record_key, payload FROM outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .expect("rows");
+    let order: Vec<(String, i64)> = rows
+        .iter()
+        .map(|(_, key, payload)| {
+            let Ok(Event::TaskStatus(status)) = fenceline_events::decode(payload) else { panic!("a status") };
+            (String::from_utf8(key.clone()).expect("key"), status.version)
+        })
+        .collect();
+    let (x, y) = (x.to_string(), y.to_string());
+    assert_eq!(
+        order,
+        vec![(x.clone(), 1), (x.clone(), 2), (y, 1), (x, 3)],
+        "after the open writer, in the order given"
+    );
+}

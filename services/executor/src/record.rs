@@ -1,10 +1,9 @@
 //! Fenced phase transitions: every write a worker makes to its execution is one
 //! transaction, conditional on the worker's fencing token and the phase it last
 //! wrote, carrying the events that announce it and, where a step ends, its
-//! checkpoint or the operation key's `seq` bump; a transition with at most one
-//! event and no key to move (every phase of a call that goes well) is a single
-//! statement. Zero rows means another worker holds the execution. A transient database error is retried until the attempt
-//! budget ends, also after the lease lapsed (renewals fail in the same outage):
+//! checkpoint or the operation key's `seq` bump; a transition with no key to move
+//! is a single statement. Zero rows means another worker holds the execution. A
+//! transient database error is retried until the attempt budget ends, also after the lease lapsed (renewals fail in the same outage):
 //! the write stays conditional on the token, so a worker that knows the outcome
 //! records it unless another worker took the execution over meanwhile.
 
@@ -180,39 +179,36 @@ impl Workers {
         }
     }
 
-    /// One try of a fenced write. A transition with at most one event and no key
-    /// to move (every phase of a call that goes well) is one statement that commits
-    /// on its own: one round trip instead of a transaction's four or five. The others
-    /// are a transaction. Either way the conditional update on the fencing token
-    /// guards everything written: a fenced worker's write changes nothing.
+    /// One try of a fenced write: one statement that commits on its own (one round
+    /// trip instead of a transaction's four or five), unless the transition moves an
+    /// operation key, which adds [`bump_seq`] in a transaction around it. Either way
+    /// the conditional update on the fencing token guards everything written: a
+    /// fenced worker's write changes nothing.
     async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
         // Before the statement leaves: the lease it renews holds at least this long.
         let sent = tokio::time::Instant::now();
-        let (cancel_requested, granted_us, seq) = if t.new_key.is_none() && events.len() <= 1 {
-            let row = events.first().map(|event| self.outbox.row(topics::ATTEMPTS, event)).transpose()?;
-            let statement = fenced_statement(t, row.is_some());
-            let query = self.bind_fenced(sqlx::query(&statement), lease, t);
-            let query = match row {
-                Some(row) => row.bind(query),
-                None => query,
-            };
-            fenced(query.fetch_optional(&self.pool).await?)?
-        } else {
-            let mut tx = self.pool.begin().await?;
-            let statement = fenced_statement(t, false);
-            // Dropping the transaction rolls back: nothing below happens for a fenced worker.
-            let written = fenced(self.bind_fenced(sqlx::query(&statement), lease, t).fetch_optional(&mut *tx).await?)?;
-            if let Some(new_key) = t.new_key
-                && !bump_seq(&mut tx, lease, new_key).await?
-            {
-                info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
-                    "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
+        let rows =
+            events.iter().map(|event| self.outbox.row(topics::ATTEMPTS, event)).collect::<Result<Vec<_>, _>>()?;
+        let statement = fenced_statement(t, rows.len());
+        let query = self.bind_fenced(sqlx::query(&statement), lease, t);
+        let query = match rows.len() {
+            0 => query,
+            1 => rows.into_iter().next().expect("one row").bind(query),
+            _ => fenceline_bus::OutboxRow::bind_all(rows, query),
+        };
+        let (cancel_requested, granted_us, seq) = match t.new_key {
+            None => fenced(query.fetch_optional(&self.pool).await?)?,
+            Some(new_key) => {
+                let mut tx = self.pool.begin().await?;
+                // Dropping the transaction rolls back: nothing below happens for a fenced worker.
+                let written = fenced(query.fetch_optional(&mut *tx).await?)?;
+                if !bump_seq(&mut tx, lease, new_key).await? {
+                    info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
+                        "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
+                }
+                tx.commit().await?;
+                written
             }
-            for event in events {
-                self.outbox.append(&mut tx, topics::ATTEMPTS, None, event).await?;
-            }
-            tx.commit().await?;
-            written
         };
         self.outbox.committed();
         if let Some(us) = granted_us {
@@ -394,11 +390,11 @@ async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> 
 
 /// The fenced write of `t` as one statement: the conditional update on the fencing
 /// token and phase, then, guarded by it, the step's call `seq`, the checkpoint and
-/// (with `event`) the outbox row under its key lock. Only the tables the transition
+/// the `events` outbox rows under their key lock. Only the tables the transition
 /// writes are named, so a statement locks no table it does not write; each shape
 /// is one prepared statement. Returns the cancel flag, the lease granted (when
 /// renewing) and the `seq`.
-fn fenced_statement(t: &Transition<'_>, event: bool) -> String {
+fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
     let sequence = match t.sequence_of {
         Some(_) => {
             ", step_seq AS ( \
@@ -415,8 +411,11 @@ fn fenced_statement(t: &Transition<'_>, event: bool) -> String {
         }
         None => "",
     };
-    let outbox =
-        if event { format!(", {}", fenceline_bus::OutboxRow::inserted_after("written", 18)) } else { String::new() };
+    let outbox = match events {
+        0 => String::new(),
+        1 => format!(", {}", fenceline_bus::OutboxRow::inserted_after("written", 18)),
+        _ => format!(", {}", fenceline_bus::OutboxRow::all_inserted_after("written", 18)),
+    };
     let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
     format!(
         "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \

@@ -554,24 +554,24 @@ pub async fn summary(
 /// evidence, for reads.
 #[derive(Debug, Default)]
 pub struct CaseProjection {
-    marks: crate::live::BatchMarks,
+    batch: BatchWrites,
 }
 
 impl Handler for CaseProjection {
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.marks.flush(tx).await?)
+        Ok(self.batch.flush(tx).await?)
     }
 
     fn discard(&self) {
-        self.marks.discard();
+        self.batch.discard();
     }
 
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         let Event::RecoveryDecided(decided) = &record.envelope.event else {
             return Ok(());
         };
-        crate::timeline::record(&mut *tx, record).await?;
-        self.marks.mark(decided.task_id, None);
+        self.batch.lines.gather(record);
+        self.batch.marks.mark(decided.task_id, None);
         // A decision about an attempt whose outcome was in doubt belongs on that attempt
         // (the attempt's own event may arrive later, on another topic).
         if decided.decision != RecoveryDecision::ReissueGrant {
@@ -607,21 +607,21 @@ impl Handler for CaseProjection {
 /// when each attempt was taken up and how it ended.
 #[derive(Debug, Default)]
 pub struct AttemptProjection {
-    marks: crate::live::BatchMarks,
+    batch: BatchWrites,
 }
 
 impl Handler for AttemptProjection {
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.marks.flush(tx).await?)
+        Ok(self.batch.flush(tx).await?)
     }
 
     fn discard(&self) {
-        self.marks.discard();
+        self.batch.discard();
     }
 
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
-        if let Some(task_id) = crate::timeline::record(&mut *tx, record).await? {
-            self.marks.mark(task_id, None);
+        if let Some(task_id) = self.batch.lines.gather(record) {
+            self.batch.marks.mark(task_id, None);
         }
         let at = record.envelope.headers.produced_at.to_datetime();
         let (task_id, attempt, outcome, error_class, detail, money, ended_at) = match &record.envelope.event {
@@ -686,50 +686,108 @@ impl Handler for AttemptProjection {
 /// late or repeated snapshot never moves a task backwards.
 #[derive(Debug, Default)]
 pub struct StatusProjection {
-    marks: crate::live::BatchMarks,
+    batch: BatchWrites,
 }
 
 impl Handler for StatusProjection {
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.marks.flush(tx).await?)
+        Ok(self.batch.flush(tx).await?)
     }
 
     fn discard(&self) {
-        self.marks.discard();
+        self.batch.discard();
     }
 
-    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+    async fn handle(
+        &self,
+        _tx: &mut PgConnection,
+        _outbox: &OutboxWriter,
+        record: &Inbound,
+    ) -> Result<(), HandleError> {
         let Event::TaskStatus(status) = &record.envelope.event else {
             return Err(HandleError::Poison(format!(
                 "{} does not belong on the status topic",
                 record.envelope.event.event_type()
             )));
         };
+        self.batch.views.gather(status);
+        self.batch.lines.gather(record);
+        self.batch.marks.mark(status.task_id, Some(&status.tenant));
+        Ok(())
+    }
+}
+
+/// What a projection's consumer batch writes just before it commits
+/// ([`fenceline_bus::Handler::flush`]), one statement each instead of one per
+/// event, and forgets if the batch (or the event's savepoint) rolls back: the
+/// newest snapshot of each task, the timeline lines, the change marks. Written in
+/// that order, so a mark finds the tenant of a task seen first in this batch.
+#[derive(Debug, Default)]
+struct BatchWrites {
+    views: Views,
+    lines: crate::timeline::Lines,
+    marks: crate::live::BatchMarks,
+}
+
+impl BatchWrites {
+    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        self.views.flush(&mut *tx).await?;
+        self.lines.flush(&mut *tx).await?;
+        self.marks.flush(&mut *tx).await
+    }
+
+    fn discard(&self) {
+        self.views.discard();
+        self.lines.discard();
+        self.marks.discard();
+    }
+}
+
+/// The newest status snapshot of each task in a batch.
+#[derive(Debug, Default)]
+struct Views(fenceline_bus::gathered::Newest<TaskId, fenceline_events::TaskStatus>);
+
+impl Views {
+    fn gather(&self, status: &fenceline_events::TaskStatus) {
+        self.0.keep(status.task_id, status.version, || status.clone());
+    }
+
+    fn discard(&self) {
+        self.0.discard();
+    }
+
+    /// Writes each gathered snapshot unless `task_view` holds a version as new, in
+    /// task order.
+    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let views = self.0.take();
+        if views.is_empty() {
+            return Ok(());
+        }
         sqlx::query(
             "INSERT INTO task_view (task_id, tenant, kind, state, reason, attempt, step, phase, next_attempt_at, \
-             result, case_id, updated_at, version) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+             result, case_id, updated_at, version) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], \
+             $7::text[], $8::text[], $9::timestamptz[], $10::jsonb[], $11::text[], $12::timestamptz[], $13::bigint[]) \
              ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, reason = EXCLUDED.reason, \
              attempt = EXCLUDED.attempt, step = EXCLUDED.step, phase = EXCLUDED.phase, \
              next_attempt_at = EXCLUDED.next_attempt_at, result = EXCLUDED.result, case_id = EXCLUDED.case_id, \
              updated_at = EXCLUDED.updated_at, version = EXCLUDED.version WHERE task_view.version < EXCLUDED.version",
         )
-        .bind(status.task_id.as_uuid())
-        .bind(&status.tenant)
-        .bind(&status.kind)
-        .bind(status.state.as_str())
-        .bind(&status.reason)
-        .bind(status.attempt)
-        .bind(&status.step)
-        .bind(status.phase.map(|p| p.as_str()))
-        .bind(status.next_attempt_at.map(Timestamp::to_datetime))
-        .bind(status.result.as_ref().map(sqlx::types::Json))
-        .bind(&status.case_id)
-        .bind(status.updated_at.to_datetime())
-        .bind(status.version)
+        .bind(views.iter().map(|v| v.task_id.as_uuid()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.tenant.as_str()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.kind.as_str()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.state.as_str()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.reason.as_deref()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.attempt).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.step.as_deref()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.phase.map(|p| p.as_str())).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.next_attempt_at.map(Timestamp::to_datetime)).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.result.as_ref().map(sqlx::types::Json)).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.case_id.as_deref()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.updated_at.to_datetime()).collect::<Vec<_>>())
+        .bind(views.iter().map(|v| v.version).collect::<Vec<_>>())
         .execute(&mut *tx)
         .await?;
-        crate::timeline::record(&mut *tx, record).await?;
-        self.marks.mark(status.task_id, Some(&status.tenant));
         Ok(())
     }
 }

@@ -182,31 +182,107 @@ pub fn trace_id(traceparent: &str) -> Option<String> {
     valid.then(|| id.to_ascii_lowercase())
 }
 
-/// Adds the record's event to its task's timeline, once per event id; returns the
-/// task it is about, if any.
-pub async fn record(tx: &mut PgConnection, record: &Inbound) -> Result<Option<TaskId>, sqlx::Error> {
-    let headers = &record.envelope.headers;
-    let Some(line) = line(&record.envelope.event, headers.produced_at) else {
-        return Ok(None);
-    };
-    sqlx::query(
-        "INSERT INTO task_timeline (task_id, event_id, at, source, event_type, attempt, step, phase, signal_name, \
-         detail, trace_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING",
-    )
-    .bind(line.task_id.as_uuid())
-    .bind(headers.event_id.to_string())
-    .bind(line.at.to_datetime())
-    .bind(&headers.producer)
-    .bind(record.envelope.event.event_type())
-    .bind(line.attempt)
-    .bind(&line.step)
-    .bind(&line.phase)
-    .bind(&line.signal)
-    .bind(&line.detail)
-    .bind(headers.traceparent.as_deref().and_then(trace_id))
-    .execute(&mut *tx)
-    .await?;
-    Ok(Some(line.task_id))
+/// The timeline lines of one consumer batch, written with one statement just
+/// before the batch commits ([`fenceline_bus::Handler::flush`]) instead of one per
+/// event; forgotten with the batch if it rolls back.
+#[derive(Debug, Default)]
+pub struct Lines(fenceline_bus::gathered::All<Row>);
+
+/// A line as it is stored.
+#[derive(Debug)]
+struct Row {
+    line: Line,
+    event_id: String,
+    source: String,
+    event_type: &'static str,
+    trace_id: Option<String>,
+}
+
+impl Lines {
+    /// Gathers the record's line, if its event is about a task; returns the task.
+    pub fn gather(&self, record: &Inbound) -> Option<TaskId> {
+        let headers = &record.envelope.headers;
+        let line = line(&record.envelope.event, headers.produced_at)?;
+        let task_id = line.task_id;
+        let row = Row {
+            line,
+            event_id: headers.event_id.to_string(),
+            source: headers.producer.clone(),
+            event_type: record.envelope.event.event_type(),
+            trace_id: headers.traceparent.as_deref().and_then(trace_id),
+        };
+        self.0.push(row);
+        Some(task_id)
+    }
+
+    /// Forgets the lines of a batch that was rolled back.
+    pub fn discard(&self) {
+        self.0.discard();
+    }
+
+    /// Adds the gathered lines to their timelines in `tx`, once per event id.
+    pub async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let rows = self.0.take();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut columns = Columns::default();
+        for row in rows {
+            columns.push(row);
+        }
+        sqlx::query(
+            "INSERT INTO task_timeline (task_id, event_id, at, source, event_type, attempt, step, phase, \
+             signal_name, detail, trace_id) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::int[], \
+             $7::text[], $8::text[], $9::text[], $10::text[], $11::text[]) ON CONFLICT DO NOTHING",
+        )
+        .bind(columns.task_id)
+        .bind(columns.event_id)
+        .bind(columns.at)
+        .bind(columns.source)
+        .bind(columns.event_type)
+        .bind(columns.attempt)
+        .bind(columns.step)
+        .bind(columns.phase)
+        .bind(columns.signal)
+        .bind(columns.detail)
+        .bind(columns.trace_id)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// The gathered lines column by column, as `unnest` takes them.
+#[derive(Default)]
+struct Columns {
+    task_id: Vec<uuid::Uuid>,
+    event_id: Vec<String>,
+    at: Vec<OffsetDateTime>,
+    source: Vec<String>,
+    event_type: Vec<&'static str>,
+    attempt: Vec<Option<i32>>,
+    step: Vec<Option<String>>,
+    phase: Vec<Option<String>>,
+    signal: Vec<Option<String>>,
+    detail: Vec<String>,
+    trace_id: Vec<Option<String>>,
+}
+
+impl Columns {
+    fn push(&mut self, row: Row) {
+        self.task_id.push(row.line.task_id.as_uuid());
+        self.event_id.push(row.event_id);
+        self.at.push(row.line.at.to_datetime());
+        self.source.push(row.source);
+        self.event_type.push(row.event_type);
+        self.attempt.push(row.line.attempt);
+        self.step.push(row.line.step);
+        self.phase.push(row.line.phase);
+        self.signal.push(row.line.signal);
+        self.detail.push(row.line.detail);
+        self.trace_id.push(row.trace_id);
+    }
 }
 
 /// The task's timeline, oldest first: the projected events and what people asked

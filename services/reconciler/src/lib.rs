@@ -213,7 +213,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         }
     });
     let wake = Arc::new(tokio::sync::Notify::new());
-    let watches = watches::Watches { catalog: catalog.clone(), settings: settings.clone(), wake: wake.clone() };
+    let watches = watches::Watches {
+        catalog: catalog.clone(),
+        settings: settings.clone(),
+        wake: wake.clone(),
+        states: Default::default(),
+    };
     app.consume("watches", &[topics::DISPATCH, topics::ATTEMPTS, topics::STATUS], watches)?;
     let reconciler = evidence::Reconciler {
         pool: app.base.database.pool.clone(),

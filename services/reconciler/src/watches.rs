@@ -18,11 +18,47 @@ use tokio::sync::Notify;
 use crate::ReconcilerSettings;
 
 /// Records grants and calls; opens cases.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Watches {
     pub catalog: Arc<Catalog>,
     pub settings: Arc<ReconcilerSettings>,
     pub wake: Arc<Notify>,
+    /// The newest state of each task a batch reported, written when it commits.
+    pub states: TaskStates,
+}
+
+/// The newest status snapshot of each task in a consumer batch, for
+/// `task_states` (which only the audit reads, between batches): one statement
+/// per batch instead of one per snapshot.
+#[derive(Debug, Default)]
+pub struct TaskStates(fenceline_bus::gathered::Newest<TaskId, fenceline_events::TaskStatus>);
+
+impl TaskStates {
+    /// Writes each gathered snapshot unless `task_states` holds a version as new,
+    /// in task order.
+    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let states = self.0.take();
+        if states.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO task_states (task_id, tenant, kind, state, reason, version, updated_at_us) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], \
+             $7::bigint[]) ON CONFLICT (task_id) DO UPDATE SET \
+             state = EXCLUDED.state, reason = EXCLUDED.reason, version = EXCLUDED.version, \
+             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
+        )
+        .bind(states.iter().map(|s| s.task_id.as_uuid()).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.tenant.as_str()).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.kind.as_str()).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.state.as_str()).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.reason.as_deref()).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.version).collect::<Vec<_>>())
+        .bind(states.iter().map(|s| s.updated_at.0).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
 }
 
 /// What is known about an attempt's last call when it ended without a result.
@@ -366,6 +402,14 @@ pub fn is_last_call(catalog: &Catalog, kind: &str, step: Option<&str>) -> bool {
 }
 
 impl Handler for Watches {
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        Ok(self.states.flush(tx).await?)
+    }
+
+    fn discard(&self) {
+        self.states.0.discard();
+    }
+
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         match &record.envelope.event {
             Event::AttemptGranted(g) => {
@@ -428,23 +472,7 @@ impl Handler for Watches {
                     .await?;
             }
             Event::StepCheckpointed(_) | Event::AwaitingSignal(_) => {}
-            Event::TaskStatus(s) => {
-                sqlx::query(
-                    "INSERT INTO task_states (task_id, tenant, kind, state, reason, version, updated_at_us) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (task_id) DO UPDATE SET \
-                     state = EXCLUDED.state, reason = EXCLUDED.reason, version = EXCLUDED.version, \
-                     updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
-                )
-                .bind(s.task_id.as_uuid())
-                .bind(&s.tenant)
-                .bind(&s.kind)
-                .bind(s.state.as_str())
-                .bind(&s.reason)
-                .bind(s.version)
-                .bind(s.updated_at.0)
-                .execute(&mut *tx)
-                .await?;
-            }
+            Event::TaskStatus(s) => self.states.0.keep(s.task_id, s.version, || s.clone()),
             Event::AttemptSucceeded(e) => self.ended(tx, e.grant_id).await?,
             Event::AttemptReleased(e) => self.ended(tx, e.grant_id).await?,
             Event::AttemptFailed(e) => {

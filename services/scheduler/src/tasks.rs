@@ -121,7 +121,7 @@ impl Context<'_> {
 /// committed state of its own, so it is not published. Appending in task order
 /// also takes the outbox's key locks in one order in every batch.
 #[derive(Debug, Default)]
-pub struct StatusBatch(std::sync::Mutex<std::collections::BTreeMap<TaskId, Kept>>);
+pub struct StatusBatch(fenceline_bus::gathered::Newest<TaskId, Kept>);
 
 /// A gathered status and the trace of the event that decided it.
 #[derive(Debug)]
@@ -131,35 +131,28 @@ struct Kept {
 }
 
 impl StatusBatch {
-    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<TaskId, Kept>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     /// Keeps `status`, in the current span's trace, unless the batch holds a newer
     /// one of its task.
     pub fn keep(&self, status: Event) {
         let Event::TaskStatus(new) = &status else { return };
-        let mut kept = self.kept();
-        let newer_kept = matches!(kept.get(&new.task_id),
-            Some(Kept { status: Event::TaskStatus(old), .. }) if old.version >= new.version);
-        if !newer_kept {
-            let traceparent = fenceline_telemetry::current_traceparent();
-            kept.insert(new.task_id, Kept { status, traceparent });
-        }
+        let (task_id, version) = (new.task_id, new.version);
+        self.0.keep(task_id, version, || Kept { status, traceparent: fenceline_telemetry::current_traceparent() });
     }
 
     /// Forgets what a rolled-back batch gathered.
     pub fn discard(&self) {
-        self.kept().clear();
+        self.0.discard();
     }
 
-    /// Appends the gathered statuses to the outbox in `tx`, in task order.
+    /// Appends the gathered statuses to the outbox in `tx`, in task order, with one statement.
     pub async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), fenceline_bus::Error> {
-        let kept = std::mem::take(&mut *self.kept());
-        for Kept { status, traceparent } in kept.into_values() {
-            outbox.append_in_trace(tx, topics::STATUS, None, &status, traceparent).await?;
-        }
-        Ok(())
+        let rows = self
+            .0
+            .take()
+            .into_iter()
+            .map(|Kept { status, traceparent }| outbox.row_in_trace(topics::STATUS, None, &status, traceparent))
+            .collect::<Result<Vec<_>, _>>()?;
+        fenceline_bus::OutboxRow::insert_all(rows, tx).await
     }
 }
 
@@ -354,12 +347,13 @@ mod tests {
         status_of(&row, &row.lifecycle, version, 0)
     }
 
-    fn kept_versions(batch: &StatusBatch) -> Vec<(TaskId, i64)> {
+    fn taken_versions(batch: &StatusBatch) -> Vec<(TaskId, i64)> {
         batch
-            .kept()
-            .iter()
-            .map(|(id, kept)| match &kept.status {
-                Event::TaskStatus(s) => (*id, s.version),
+            .0
+            .take()
+            .into_iter()
+            .map(|kept| match kept.status {
+                Event::TaskStatus(s) => (s.task_id, s.version),
                 _ => unreachable!("only statuses are kept"),
             })
             .collect()
@@ -374,8 +368,9 @@ mod tests {
         }
         let mut expected = vec![(a, 3), (b, 2)];
         expected.sort();
-        assert_eq!(kept_versions(&batch), expected, "one status per task, the newest");
+        assert_eq!(taken_versions(&batch), expected, "one status per task, the newest, in task order");
+        batch.keep(status(a, 4));
         batch.discard();
-        assert!(kept_versions(&batch).is_empty(), "a rolled-back batch publishes nothing it gathered");
+        assert!(taken_versions(&batch).is_empty(), "a rolled-back batch publishes nothing it gathered");
     }
 }

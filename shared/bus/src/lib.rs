@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod consumer;
 pub mod faults;
+pub mod gathered;
 pub mod kafka;
 pub mod outbox;
 

@@ -108,7 +108,8 @@ impl OutboxWriter {
         self.row_in_trace(topic, None, event, fenceline_telemetry::current_traceparent())
     }
 
-    fn row_in_trace(
+    /// As [`OutboxWriter::row`], in the trace of `traceparent`.
+    pub fn row_in_trace(
         &self,
         topic: &str,
         key: Option<&[u8]>,
@@ -214,6 +215,71 @@ impl OutboxRow {
             .bind(self.traceparent)
     }
 
+    /// As [`OutboxRow::inserted_after`] for several rows, bound as arrays from
+    /// `$first` by [`OutboxRow::bind_all`], inserted in the order given. Every key
+    /// lock is taken, in key order, before the first row's id is drawn, so the rows
+    /// wait for an earlier writer of any of their keys and still follow each key's
+    /// earlier rows.
+    pub fn all_inserted_after(guard: &str, first: usize) -> String {
+        let p: Vec<String> = (first..first + Self::PARAMETERS).map(|n| format!("${n}")).collect();
+        format!(
+            "outbox_given AS MATERIALIZED (SELECT g.* FROM {guard}, unnest({shard}::int2[], {topic}::text[], \
+             {key}::bytea[], {payload}::bytea[], {event_id}::uuid[], {event_type}::text[], {fingerprint}::text[], \
+             {producer}::text[], {produced_at}::int8[], {traceparent}::text[]) WITH ORDINALITY AS g ({OUTBOX_COLUMNS}, n)), \
+             outbox_key_lock AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(hashtextextended(\
+             current_schema() || ':outbox-key:' || encode(record_key, 'escape'), 0))) AS held \
+             FROM (SELECT DISTINCT record_key FROM outbox_given WHERE record_key IS NOT NULL ORDER BY record_key) AS keys), \
+             outbox_rows AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) \
+             SELECT {OUTBOX_COLUMNS} FROM outbox_given, outbox_key_lock ORDER BY n)",
+            shard = p[0],
+            topic = p[1],
+            key = p[2],
+            payload = p[3],
+            event_id = p[4],
+            event_type = p[5],
+            fingerprint = p[6],
+            producer = p[7],
+            produced_at = p[8],
+            traceparent = p[9],
+        )
+    }
+
+    /// Binds `rows` as the arrays of [`OutboxRow::all_inserted_after`], after the
+    /// parameters `query` has.
+    pub fn bind_all<'q>(
+        rows: Vec<OutboxRow>,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let mut columns = OutboxColumns::default();
+        for row in rows {
+            columns.push(row);
+        }
+        query
+            .bind(columns.shard)
+            .bind(columns.topic)
+            .bind(columns.key)
+            .bind(columns.payload)
+            .bind(columns.event_id)
+            .bind(columns.event_type)
+            .bind(columns.schema_fingerprint)
+            .bind(columns.producer)
+            .bind(columns.produced_at_us)
+            .bind(columns.traceparent)
+    }
+
+    /// Inserts `rows` with one statement, in the order given, each under its key's
+    /// lock ([`OutboxRow::all_inserted_after`]).
+    pub async fn insert_all(rows: Vec<OutboxRow>, conn: &mut PgConnection) -> Result<(), Error> {
+        match rows.len() {
+            0 => return Ok(()),
+            1 => return rows.into_iter().next().expect("one row").insert(conn).await,
+            _ => {}
+        }
+        let statement = format!("WITH {} SELECT 1", Self::all_inserted_after("(SELECT 1) AS always", 1));
+        Self::bind_all(rows, sqlx::query(&statement)).execute(&mut *conn).await?;
+        Ok(())
+    }
+
     /// Inserts the row in a statement of its own, under its key's lock if it has a key.
     async fn insert(self, conn: &mut PgConnection) -> Result<(), Error> {
         let statement = match self.key {
@@ -222,6 +288,36 @@ impl OutboxRow {
         };
         self.bind(sqlx::query(&statement)).execute(&mut *conn).await?;
         Ok(())
+    }
+}
+
+/// Outbox rows column by column, as `unnest` takes them ([`OutboxRow::insert_all`]).
+#[derive(Default)]
+struct OutboxColumns {
+    shard: Vec<i16>,
+    topic: Vec<String>,
+    key: Vec<Option<Vec<u8>>>,
+    payload: Vec<Option<Vec<u8>>>,
+    event_id: Vec<uuid::Uuid>,
+    event_type: Vec<String>,
+    schema_fingerprint: Vec<String>,
+    producer: Vec<&'static str>,
+    produced_at_us: Vec<i64>,
+    traceparent: Vec<Option<String>>,
+}
+
+impl OutboxColumns {
+    fn push(&mut self, row: OutboxRow) {
+        self.shard.push(row.shard);
+        self.topic.push(row.topic);
+        self.key.push(row.key);
+        self.payload.push(row.payload);
+        self.event_id.push(row.event_id.as_uuid());
+        self.event_type.push(row.event_type);
+        self.schema_fingerprint.push(row.schema_fingerprint);
+        self.producer.push(row.producer);
+        self.produced_at_us.push(row.produced_at.0);
+        self.traceparent.push(row.traceparent);
     }
 }
 

@@ -40,24 +40,41 @@ pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str
 /// Marks `ids` changed (each with its tenant, if known) and notifies the listeners
 /// when the transaction commits, in task order.
 async fn mark(tx: &mut PgConnection, ids: &[uuid::Uuid], tenants: &[Option<String>]) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query(&format!(
         "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
          owner AS ( \
            SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
-           LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id), \
-         marked AS ( \
-           INSERT INTO task_changes (task_id, tenant, changed_at) \
-           SELECT task_id, tenant, clock_timestamp() FROM owner WHERE tenant IS NOT NULL ORDER BY task_id \
-           ON CONFLICT (task_id) DO UPDATE SET \
-             changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) RETURNING task_id, tenant) \
-         SELECT pg_notify(current_schema() || $3, tenant || ' ' || task_id::text) FROM marked",
-    )
+           LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id \
+           WHERE coalesce(g.tenant, v.tenant, t.tenant) IS NOT NULL), \
+         {marked} {notified}",
+        marked = marked_from("owner"),
+        notified = notified(3),
+    ))
     .bind(ids)
     .bind(tenants)
     .bind(CHANNEL_SUFFIX)
     .execute(&mut *tx)
     .await?;
     Ok(())
+}
+
+/// A common table expression `marked` that marks changed, in task order, each task
+/// `rows` (a `FROM` item with `task_id` and `tenant`) yields; [`notified`] finishes
+/// the statement.
+pub fn marked_from(rows: &str) -> String {
+    format!(
+        "marked AS (INSERT INTO task_changes (task_id, tenant, changed_at) \
+         SELECT task_id, tenant, clock_timestamp() FROM {rows} ORDER BY task_id \
+         ON CONFLICT (task_id) DO UPDATE SET changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) \
+         RETURNING task_id, tenant)"
+    )
+}
+
+/// The query that notifies the listeners of each task `marked` when the
+/// transaction commits, given [`CHANNEL_SUFFIX`] as parameter `$suffix`; it reads
+/// how many were marked.
+pub fn notified(suffix: usize) -> String {
+    format!("SELECT count(pg_notify(current_schema() || ${suffix}, tenant || ' ' || task_id::text)) FROM marked")
 }
 
 /// The tasks one consumer's batch changed, marked with one statement just before

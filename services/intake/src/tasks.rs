@@ -205,7 +205,9 @@ pub async fn submit(
 }
 
 /// The submission inside the caller's transaction (the upstream topic's consumer
-/// submits inside its batch transaction).
+/// submits inside its batch transaction). Claiming the key, storing the task, its
+/// `TaskAccepted` in the outbox and the change mark are one statement, each part
+/// written only if the key was new.
 pub async fn submit_in(
     conn: &mut PgConnection,
     outbox: &OutboxWriter,
@@ -216,21 +218,51 @@ pub async fn submit_in(
 ) -> Result<Submitted, ApiError> {
     let fingerprint = task.fingerprint();
     let task_id = TaskId::new_v7();
+    let accepted_at = OffsetDateTime::now_utc();
+    let event = Event::TaskAccepted(TaskAccepted {
+        task_id,
+        tenant: tenant.as_str().to_owned(),
+        kind: task.kind.clone(),
+        input_json: task.input.to_string(),
+        priority: task.priority,
+        deadline: task.deadline.map(Timestamp::from),
+        not_before: task.not_before.map(Timestamp::from),
+        labels: task.labels.clone().into_iter().collect(),
+        source: source.to_owned(),
+        accepted_at: Timestamp::from(accepted_at),
+    });
+    let row = outbox.row(topics::TASKS, &event)?;
     // The source is the key's namespace: keys of different sources never meet.
-    let inserted = sqlx::query(
-        "INSERT INTO idempotency_keys (tenant, namespace, idempotency_key, fingerprint, task_id) \
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
-    )
-    .bind(tenant.as_str())
-    .bind(source)
-    .bind(&key.0)
-    .bind(&fingerprint)
-    .bind(task_id.as_uuid())
-    .execute(&mut *conn)
-    .await?
-    .rows_affected()
-        == 1;
-    if !inserted {
+    let statement = format!(
+        "WITH claimed_key AS ( \
+           INSERT INTO idempotency_keys (tenant, namespace, idempotency_key, fingerprint, task_id) \
+           VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING task_id, tenant), \
+         accepted AS ( \
+           INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, \
+             accepted_at) \
+           SELECT task_id, tenant, $6::text, $7::jsonb, $8::text, $9::timestamptz, $10::timestamptz, $11::jsonb, \
+             $2::text, $12::timestamptz FROM claimed_key RETURNING task_id, tenant), \
+         {outbox}, {marked} {notified}",
+        outbox = fenceline_bus::OutboxRow::inserted_after("accepted", 14),
+        marked = crate::live::marked_from("accepted"),
+        notified = crate::live::notified(13),
+    );
+    let query = sqlx::query(&statement)
+        .bind(tenant.as_str())
+        .bind(source)
+        .bind(&key.0)
+        .bind(&fingerprint)
+        .bind(task_id.as_uuid())
+        .bind(&task.kind)
+        .bind(&task.input)
+        .bind(task.priority.as_str())
+        .bind(task.deadline)
+        .bind(task.not_before)
+        .bind(sqlx::types::Json(&task.labels))
+        .bind(accepted_at)
+        .bind(crate::live::CHANNEL_SUFFIX);
+    let created: i64 = sqlx::Row::try_get(&row.bind(query).fetch_one(&mut *conn).await?, 0)?;
+    if created == 0 {
         let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
             "SELECT fingerprint, task_id FROM idempotency_keys \
              WHERE tenant = $1 AND namespace = $2 AND idempotency_key = $3",
@@ -246,55 +278,12 @@ pub async fn submit_in(
             Err(ApiError::IdempotencyKeyReused)
         };
     }
-    let accepted_at = OffsetDateTime::now_utc();
-    insert_task(&mut *conn, tenant, task_id, &task, source, accepted_at).await?;
-    let event = Event::TaskAccepted(TaskAccepted {
-        task_id,
-        tenant: tenant.as_str().to_owned(),
-        kind: task.kind.clone(),
-        input_json: task.input.to_string(),
-        priority: task.priority,
-        deadline: task.deadline.map(Timestamp::from),
-        not_before: task.not_before.map(Timestamp::from),
-        labels: task.labels.clone().into_iter().collect(),
-        source: source.to_owned(),
-        accepted_at: Timestamp::from(accepted_at),
-    });
-    outbox.append(&mut *conn, topics::TASKS, None, &event).await?;
-    crate::live::changed(&mut *conn, task_id, Some(tenant.as_str())).await?;
     tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, source, "task accepted");
     Ok(Submitted::Created(accepted(task_id)))
 }
 
 fn accepted(task_id: TaskId) -> Accepted {
     Accepted { task_id, status_url: format!("/v1/tasks/{task_id}") }
-}
-
-async fn insert_task(
-    conn: &mut PgConnection,
-    tenant: &Tenant,
-    task_id: TaskId,
-    task: &ValidTask,
-    source: &str,
-    accepted_at: OffsetDateTime,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, accepted_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-    )
-    .bind(task_id.as_uuid())
-    .bind(tenant.as_str())
-    .bind(&task.kind)
-    .bind(&task.input)
-    .bind(task.priority.as_str())
-    .bind(task.deadline)
-    .bind(task.not_before)
-    .bind(sqlx::types::Json(&task.labels))
-    .bind(source)
-    .bind(accepted_at)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// What `GET /v1/tasks/{id}` shows.
@@ -619,63 +608,136 @@ impl Handler for AttemptProjection {
         self.batch.discard();
     }
 
-    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+    async fn handle(
+        &self,
+        _tx: &mut PgConnection,
+        _outbox: &OutboxWriter,
+        record: &Inbound,
+    ) -> Result<(), HandleError> {
         if let Some(task_id) = self.batch.lines.gather(record) {
             self.batch.marks.mark(task_id, None);
         }
-        let at = record.envelope.headers.produced_at.to_datetime();
-        let (task_id, attempt, outcome, error_class, detail, money, ended_at) = match &record.envelope.event {
-            Event::AttemptClaimed(e) => {
-                sqlx::query(
-                    "INSERT INTO task_attempts (task_id, attempt, outcome, started_at) VALUES ($1, $2, 'running', $3) \
-                     ON CONFLICT (task_id, attempt) DO UPDATE SET started_at = \
-                     coalesce(least(task_attempts.started_at, EXCLUDED.started_at), EXCLUDED.started_at)",
-                )
-                .bind(e.task_id.as_uuid())
-                .bind(e.attempt)
-                .bind(at)
-                .execute(&mut *tx)
-                .await?;
-                return Ok(());
-            }
-            Event::AttemptSucceeded(e) => (e.task_id, e.attempt, "succeeded", None, None, None, e.finished_at),
-            Event::AttemptFailed(e) => (
+        let attempts = &self.batch.attempts;
+        match &record.envelope.event {
+            Event::AttemptClaimed(e) => attempts.started(e.task_id, e.attempt, record.envelope.headers.produced_at),
+            Event::AttemptSucceeded(e) => attempts.ended(e.task_id, e.attempt, Ended::at(e.finished_at, "succeeded")),
+            Event::AttemptFailed(e) => attempts.ended(
                 e.task_id,
                 e.attempt,
-                "failed",
-                Some(e.error_class.as_str()),
-                Some(e.message.clone()),
-                Some(e.money_may_have_been_spent),
-                e.failed_at,
+                Ended {
+                    error_class: Some(e.error_class.as_str()),
+                    detail: Some(e.message.clone()),
+                    money_may_have_been_spent: Some(e.money_may_have_been_spent),
+                    ..Ended::at(e.failed_at, "failed")
+                },
             ),
-            Event::AttemptReleased(e) => {
-                (e.task_id, e.attempt, "released", None, Some(e.reason.as_str().to_owned()), None, e.released_at)
-            }
-            Event::AttemptLost(e) => (
+            Event::AttemptReleased(e) => attempts.ended(
                 e.task_id,
                 e.attempt,
-                "lost",
-                None,
-                Some(format!("worker last seen after `{}`", e.last_phase.as_str())),
-                None,
-                e.detected_at,
+                Ended { detail: Some(e.reason.as_str().to_owned()), ..Ended::at(e.released_at, "released") },
             ),
-            _ => return Ok(()),
-        };
+            Event::AttemptLost(e) => attempts.ended(
+                e.task_id,
+                e.attempt,
+                Ended {
+                    detail: Some(format!("worker last seen after `{}`", e.last_phase.as_str())),
+                    ..Ended::at(e.detected_at, "lost")
+                },
+            ),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// How an attempt ended, as `task_attempts` keeps it.
+#[derive(Debug, Clone)]
+struct Ended {
+    outcome: &'static str,
+    error_class: Option<&'static str>,
+    detail: Option<String>,
+    money_may_have_been_spent: Option<bool>,
+    at: Timestamp,
+}
+
+impl Ended {
+    fn at(at: Timestamp, outcome: &'static str) -> Self {
+        Ended { outcome, error_class: None, detail: None, money_may_have_been_spent: None, at }
+    }
+}
+
+/// The attempts a batch heard of: when each was first taken up, and how it ended
+/// (the last end heard wins, as when each was written at once).
+#[derive(Debug, Default)]
+struct Attempts(std::sync::Mutex<BTreeMap<(TaskId, i32), Heard>>);
+
+/// What a batch heard of one attempt.
+#[derive(Debug, Default)]
+struct Heard {
+    started: Option<Timestamp>,
+    ended: Option<Ended>,
+}
+
+impl Attempts {
+    fn entry(&self, task_id: TaskId, attempt: i32, change: impl FnOnce(&mut Heard)) {
+        let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        change(held.entry((task_id, attempt)).or_default());
+    }
+
+    fn started(&self, task_id: TaskId, attempt: i32, at: Timestamp) {
+        self.entry(task_id, attempt, |heard| heard.started = Some(heard.started.map_or(at, |s| s.min(at))));
+    }
+
+    fn ended(&self, task_id: TaskId, attempt: i32, how: Ended) {
+        self.entry(task_id, attempt, |heard| heard.ended = Some(how));
+    }
+
+    fn discard(&self) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+    }
+
+    /// Writes each attempt heard of: the earliest start kept, the end replaced if
+    /// one was heard, in task order.
+    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let held = std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if held.is_empty() {
+            return Ok(());
+        }
+        let (mut task_ids, mut attempts, mut outcomes, mut classes, mut details, mut money, mut starts, mut ends) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        for ((task_id, attempt), Heard { started, ended }) in held {
+            task_ids.push(task_id.as_uuid());
+            attempts.push(attempt);
+            starts.push(started.map(Timestamp::to_datetime));
+            outcomes.push(ended.as_ref().map_or("running", |e| e.outcome));
+            classes.push(ended.as_ref().and_then(|e| e.error_class));
+            money.push(ended.as_ref().and_then(|e| e.money_may_have_been_spent));
+            ends.push(ended.as_ref().map(|e| e.at.to_datetime()));
+            details.push(ended.and_then(|e| e.detail));
+        }
         sqlx::query(
             "INSERT INTO task_attempts (task_id, attempt, outcome, error_class, detail, money_may_have_been_spent, \
-             ended_at) VALUES ($1, $2, $3, $4, $5, $6, $7) \
-             ON CONFLICT (task_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, \
-             error_class = EXCLUDED.error_class, detail = EXCLUDED.detail, \
-             money_may_have_been_spent = EXCLUDED.money_may_have_been_spent, ended_at = EXCLUDED.ended_at",
+             started_at, ended_at) \
+             SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::bool[], \
+             $7::timestamptz[], $8::timestamptz[]) \
+             ON CONFLICT (task_id, attempt) DO UPDATE SET \
+             started_at = least(task_attempts.started_at, EXCLUDED.started_at), \
+             outcome = CASE WHEN EXCLUDED.ended_at IS NULL THEN task_attempts.outcome ELSE EXCLUDED.outcome END, \
+             error_class = CASE WHEN EXCLUDED.ended_at IS NULL THEN task_attempts.error_class \
+               ELSE EXCLUDED.error_class END, \
+             detail = CASE WHEN EXCLUDED.ended_at IS NULL THEN task_attempts.detail ELSE EXCLUDED.detail END, \
+             money_may_have_been_spent = CASE WHEN EXCLUDED.ended_at IS NULL \
+               THEN task_attempts.money_may_have_been_spent ELSE EXCLUDED.money_may_have_been_spent END, \
+             ended_at = coalesce(EXCLUDED.ended_at, task_attempts.ended_at)",
         )
-        .bind(task_id.as_uuid())
-        .bind(attempt)
-        .bind(outcome)
-        .bind(error_class)
-        .bind(detail)
+        .bind(task_ids)
+        .bind(attempts)
+        .bind(outcomes)
+        .bind(classes)
+        .bind(details)
         .bind(money)
-        .bind(ended_at.to_datetime())
+        .bind(starts)
+        .bind(ends)
         .execute(&mut *tx)
         .await?;
         Ok(())
@@ -720,11 +782,13 @@ impl Handler for StatusProjection {
 /// What a projection's consumer batch writes just before it commits
 /// ([`fenceline_bus::Handler::flush`]), one statement each instead of one per
 /// event, and forgets if the batch (or the event's savepoint) rolls back: the
-/// newest snapshot of each task, the timeline lines, the change marks. Written in
-/// that order, so a mark finds the tenant of a task seen first in this batch.
+/// newest snapshot of each task, the attempts heard of, the timeline lines, the
+/// change marks. Written in that order, so a mark finds the tenant of a task seen
+/// first in this batch.
 #[derive(Debug, Default)]
 struct BatchWrites {
     views: Views,
+    attempts: Attempts,
     lines: crate::timeline::Lines,
     marks: crate::live::BatchMarks,
 }
@@ -732,12 +796,14 @@ struct BatchWrites {
 impl BatchWrites {
     async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
         self.views.flush(&mut *tx).await?;
+        self.attempts.flush(&mut *tx).await?;
         self.lines.flush(&mut *tx).await?;
         self.marks.flush(&mut *tx).await
     }
 
     fn discard(&self) {
         self.views.discard();
+        self.attempts.discard();
         self.lines.discard();
         self.marks.discard();
     }

@@ -217,7 +217,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         catalog: catalog.clone(),
         settings: settings.clone(),
         wake: wake.clone(),
-        states: Default::default(),
+        batch: Default::default(),
     };
     app.consume("watches", &[topics::DISPATCH, topics::ATTEMPTS, topics::STATUS], watches)?;
     let reconciler = evidence::Reconciler {

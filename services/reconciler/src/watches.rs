@@ -9,7 +9,7 @@ use std::sync::Arc;
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::calls::{AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss};
-use fenceline_domain::ids::TaskId;
+use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
 use sqlx::PgConnection;
@@ -23,8 +23,56 @@ pub struct Watches {
     pub catalog: Arc<Catalog>,
     pub settings: Arc<ReconcilerSettings>,
     pub wake: Arc<Notify>,
-    /// The newest state of each task a batch reported, written when it commits.
-    pub states: TaskStates,
+    /// What a batch heard that no event of the same batch reads back, written
+    /// when it commits.
+    pub batch: BatchWrites,
+}
+
+/// What [`Watches`] gathers over a consumer batch, one statement each at its end.
+#[derive(Debug, Default)]
+pub struct BatchWrites {
+    states: TaskStates,
+    facts: GrantFacts,
+}
+
+/// Grants claimed or ended in a batch. A grant not recorded yet (its
+/// `AttemptGranted` comes later, on another topic) has its facts kept in
+/// `early_grant_facts`, which the grant takes when it arrives.
+#[derive(Debug, Default)]
+struct GrantFacts(fenceline_bus::gathered::All<(GrantId, GrantFact)>);
+
+impl GrantFacts {
+    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let mut facts: std::collections::BTreeMap<GrantId, (bool, bool)> = Default::default();
+        for (grant_id, fact) in self.0.take() {
+            let known = facts.entry(grant_id).or_default();
+            match fact {
+                GrantFact::Claimed => known.0 = true,
+                GrantFact::Ended => known.1 = true,
+            }
+        }
+        if facts.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<uuid::Uuid> = facts.keys().map(|id| id.as_uuid()).collect();
+        let (claimed, ended): (Vec<bool>, Vec<bool>) = facts.into_values().unzip();
+        sqlx::query(
+            "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::bool[], $3::bool[]) AS g (grant_id, claimed, ended)), \
+             updated AS (UPDATE grants SET claimed = grants.claimed OR given.claimed, \
+               ended = grants.ended OR given.ended FROM given WHERE grants.grant_id = given.grant_id \
+               RETURNING grants.grant_id) \
+             INSERT INTO early_grant_facts (grant_id, claimed, ended) \
+             SELECT grant_id, claimed, ended FROM given WHERE grant_id NOT IN (SELECT grant_id FROM updated) \
+             ON CONFLICT (grant_id) DO UPDATE SET claimed = early_grant_facts.claimed OR EXCLUDED.claimed, \
+             ended = early_grant_facts.ended OR EXCLUDED.ended",
+        )
+        .bind(ids)
+        .bind(claimed)
+        .bind(ended)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
 }
 
 /// The newest status snapshot of each task in a consumer batch, for
@@ -403,11 +451,13 @@ pub fn is_last_call(catalog: &Catalog, kind: &str, step: Option<&str>) -> bool {
 
 impl Handler for Watches {
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.states.flush(tx).await?)
+        self.batch.states.flush(&mut *tx).await?;
+        Ok(self.batch.facts.flush(tx).await?)
     }
 
     fn discard(&self) {
-        self.states.0.discard();
+        self.batch.states.0.discard();
+        self.batch.facts.0.discard();
     }
 
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
@@ -416,16 +466,12 @@ impl Handler for Watches {
                 let claim_by = Timestamp::now().0 + i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
                 let granted = serde_json::to_value(g).map_err(|e| HandleError::Poison(e.to_string()))?;
                 // What was heard of this grant before it arrived applies at once.
-                let early: Option<(bool, bool)> =
-                    sqlx::query_as("DELETE FROM early_grant_facts WHERE grant_id = $1 RETURNING claimed, ended")
-                        .bind(g.grant_id.as_uuid())
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                let (claimed, ended) = early.unwrap_or_default();
                 sqlx::query(
-                    "INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
+                    "WITH early AS (DELETE FROM early_grant_facts WHERE grant_id = $1 RETURNING claimed, ended) \
+                     INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
                      claim_deadline_us, claimed, ended, traceparent) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+                     SELECT $1::uuid, $2::uuid, $3::int, $4::text, $5::text, $6::bigint, $7::jsonb, $8::bigint, \
+                     coalesce(early.claimed, false), coalesce(early.ended, false), $9::text FROM (SELECT 1) AS always LEFT JOIN early ON true \
                      ON CONFLICT (grant_id) DO NOTHING",
                 )
                 .bind(g.grant_id.as_uuid())
@@ -436,8 +482,6 @@ impl Handler for Watches {
                 .bind(g.deadline.map(|d| d.0))
                 .bind(granted)
                 .bind(claim_by)
-                .bind(claimed)
-                .bind(ended)
                 // A re-issue of the grant joins the task's trace.
                 .bind(fenceline_telemetry::current_traceparent())
                 .execute(&mut *tx)
@@ -445,8 +489,8 @@ impl Handler for Watches {
             }
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.
-            Event::CancelAttempt(e) => self.ended(tx, e.grant_id).await?,
-            Event::AttemptClaimed(e) => self.fact(tx, e.grant_id, GrantFact::Claimed).await?,
+            Event::CancelAttempt(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
+            Event::AttemptClaimed(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Claimed)),
             Event::CallIntentRecorded(e) => {
                 sqlx::query(
                     "INSERT INTO calls (task_id, attempt, step, provider, operation_key, intent_at_us) \
@@ -472,11 +516,11 @@ impl Handler for Watches {
                     .await?;
             }
             Event::StepCheckpointed(_) | Event::AwaitingSignal(_) => {}
-            Event::TaskStatus(s) => self.states.0.keep(s.task_id, s.version, || s.clone()),
-            Event::AttemptSucceeded(e) => self.ended(tx, e.grant_id).await?,
-            Event::AttemptReleased(e) => self.ended(tx, e.grant_id).await?,
+            Event::TaskStatus(s) => self.batch.states.0.keep(s.task_id, s.version, || s.clone()),
+            Event::AttemptSucceeded(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
+            Event::AttemptReleased(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
             Event::AttemptFailed(e) => {
-                self.ended(tx, e.grant_id).await?;
+                self.batch.facts.0.push((e.grant_id, GrantFact::Ended));
                 if e.error_class == ErrorClass::Ambiguous {
                     let call = self.call_of(tx, e.task_id, e.attempt).await?;
                     let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
@@ -499,7 +543,7 @@ impl Handler for Watches {
                 }
             }
             Event::AttemptLost(e) => {
-                self.ended(tx, e.grant_id).await?;
+                self.batch.facts.0.push((e.grant_id, GrantFact::Ended));
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let lost = LostCall {
                     task_id: e.task_id,
@@ -533,39 +577,6 @@ enum GrantFact {
 }
 
 impl Watches {
-    async fn ended(&self, tx: &mut PgConnection, grant_id: fenceline_domain::ids::GrantId) -> Result<(), sqlx::Error> {
-        self.fact(tx, grant_id, GrantFact::Ended).await
-    }
-
-    /// Records that a grant was claimed or ended; kept for later when the grant
-    /// itself has not arrived yet.
-    async fn fact(
-        &self,
-        tx: &mut PgConnection,
-        grant_id: fenceline_domain::ids::GrantId,
-        fact: GrantFact,
-    ) -> Result<(), sqlx::Error> {
-        let column = match fact {
-            GrantFact::Claimed => "claimed",
-            GrantFact::Ended => "ended",
-        };
-        let updated = sqlx::query(&format!("UPDATE grants SET {column} = true WHERE grant_id = $1"))
-            .bind(grant_id.as_uuid())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if updated == 0 {
-            sqlx::query(&format!(
-                "INSERT INTO early_grant_facts (grant_id, {column}) VALUES ($1, true) \
-                 ON CONFLICT (grant_id) DO UPDATE SET {column} = true"
-            ))
-            .bind(grant_id.as_uuid())
-            .execute(&mut *tx)
-            .await?;
-        }
-        Ok(())
-    }
-
     async fn call_of(
         &self,
         tx: &mut PgConnection,

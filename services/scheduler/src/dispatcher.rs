@@ -328,7 +328,8 @@ impl Dispatcher {
         let lifecycle = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
             .instrument(span.clone())
             .await
-            .map_err(bus_error)?;
+            .map_err(bus_error)?
+            .lifecycle;
         if lifecycle.live_grant.is_none() || lifecycle.live_grant == row.lifecycle.live_grant {
             return Ok(Tried::Skipped);
         }

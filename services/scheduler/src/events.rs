@@ -20,13 +20,53 @@ use crate::tasks::{self, Context, TaskRow};
 use crate::{SchedulerSettings, clock, health};
 
 /// Applies task, attempt and recovery events to the lifecycle. One per consumer:
-/// it gathers its batch's statuses.
+/// it gathers its batch's statuses and holds the rows its batch locked.
 #[derive(Debug)]
 pub struct LifecycleEvents {
     pub catalog: Arc<Catalog>,
     pub settings: Arc<SchedulerSettings>,
     pub channel: Arc<str>,
     pub statuses: tasks::StatusBatch,
+    pub held: HeldRows,
+}
+
+/// The task rows this consumer's batch has locked, as it last saved them: a
+/// task's later events in the same batch (the claim, the call intent and the
+/// checkpoint often come together) are applied to the held row instead of locking
+/// and reading it again. The batch's transaction keeps the row locked, so no one
+/// else can change it; forgotten when the batch (or an event's savepoint) is
+/// flushed or rolled back.
+#[derive(Debug, Default)]
+pub struct HeldRows(std::sync::Mutex<std::collections::HashMap<TaskId, TaskRow>>);
+
+impl HeldRows {
+    fn held(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<TaskId, TaskRow>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn get(&self, task_id: TaskId) -> Option<TaskRow> {
+        self.held().get(&task_id).cloned()
+    }
+
+    fn hold(&self, row: TaskRow) {
+        self.held().insert(row.task_id, row);
+    }
+
+    fn forget(&self, task_id: TaskId) {
+        self.held().remove(&task_id);
+    }
+
+    fn clear(&self) {
+        self.held().clear();
+    }
+
+    /// The task's row, locked: held by this batch already, or locked and read now.
+    async fn lock(&self, tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
+        match self.get(task_id) {
+            Some(row) => Ok(Some(row)),
+            None => tasks::lock(tx, task_id).await,
+        }
+    }
 }
 
 fn jitter() -> f64 {
@@ -60,9 +100,18 @@ impl LifecycleEvents {
         };
         // The handler's span continues the submission's trace; later work joins it.
         let traceparent = fenceline_telemetry::current_traceparent();
-        let inserted = sqlx::query(
-            "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
-             deadline_us, traceparent) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (task_id) DO NOTHING",
+        // One statement: the task, the requests that outran it taken, and the
+        // dispatchers woken at commit if it is due. No row: the task was known.
+        let inserted: Vec<(Option<i64>, Option<Vec<u8>>, i64)> = sqlx::query_as(
+            "WITH inserted AS ( \
+               INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
+                 deadline_us, traceparent, due_at_us, version) \
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 1) ON CONFLICT (task_id) DO NOTHING \
+               RETURNING task_id, due_at_us), \
+             early AS (DELETE FROM early_requests WHERE task_id IN (SELECT task_id FROM inserted) \
+               RETURNING seq, value), \
+             woken AS (SELECT pg_notify($12, '') FROM inserted WHERE due_at_us IS NOT NULL) \
+             SELECT early.seq, early.value, (SELECT count(*) FROM woken) FROM inserted LEFT JOIN early ON true",
         )
         .bind(e.task_id.as_uuid())
         .bind(&e.tenant)
@@ -74,13 +123,15 @@ impl LifecycleEvents {
         .bind(task.state.as_str())
         .bind(e.deadline.map(|t| t.0))
         .bind(&traceparent)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if inserted == 0 {
+        .bind(tasks::due_at(&task))
+        .bind(&*self.channel)
+        .fetch_all(&mut *tx)
+        .await?;
+        if inserted.is_empty() {
             return Ok(());
         }
-        let early = take_early_inputs(tx, e.task_id).await?;
+        let early =
+            early_inputs(e.task_id, inserted.into_iter().filter_map(|(seq, value, _)| seq.zip(value)).collect());
         let row = TaskRow {
             task_id: e.task_id,
             tenant: e.tenant.clone(),
@@ -93,11 +144,11 @@ impl LifecycleEvents {
             traceparent,
         };
         self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
-        tasks::save(tx, self.ctx(outbox), e.task_id, &e.kind, &task, 1).await?;
+        let mut row = row;
         for input in early {
-            let Some(row) = tasks::lock(tx, e.task_id).await? else { break };
-            tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
+            row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         }
+        self.held.hold(row);
         Ok(())
     }
 }
@@ -128,13 +179,9 @@ async fn keep_early(tx: &mut PgConnection, task_id: TaskId, record: &Inbound) ->
     Ok(())
 }
 
-/// The requests kept for a task that has just arrived, in the order they came; removes them.
-async fn take_early_inputs(tx: &mut PgConnection, task_id: TaskId) -> Result<Vec<Input>, HandleError> {
-    let mut kept: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("DELETE FROM early_requests WHERE task_id = $1 RETURNING seq, value")
-            .bind(task_id.as_uuid())
-            .fetch_all(&mut *tx)
-            .await?;
+/// The requests kept for a task that has just arrived (its insert took them), in
+/// the order they came.
+fn early_inputs(task_id: TaskId, mut kept: Vec<(i64, Vec<u8>)>) -> Vec<Input> {
     kept.sort_by_key(|(seq, _)| *seq);
     let mut inputs = Vec::with_capacity(kept.len());
     for (_, value) in kept {
@@ -144,7 +191,7 @@ async fn take_early_inputs(tx: &mut PgConnection, task_id: TaskId) -> Result<Vec
             Err(e) => tracing::error!(%task_id, error = %e, "a kept request no longer decodes; dropped"),
         }
     }
-    Ok(inputs)
+    inputs
 }
 
 /// How far the live attempt got; `None` (nothing to apply) for any other attempt.
@@ -156,10 +203,12 @@ fn progress(row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Inp
 
 impl Handler for LifecycleEvents {
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
+        self.held.clear();
         Ok(self.statuses.flush(tx, outbox).await?)
     }
 
     fn discard(&self) {
+        self.held.clear();
         self.statuses.discard();
     }
 
@@ -175,7 +224,7 @@ impl Handler for LifecycleEvents {
         let Some(task_id) = event.task_id() else {
             return Err(HandleError::Poison(format!("{} is not about a task", event.event_type())));
         };
-        let Some(row) = tasks::lock(tx, task_id).await? else {
+        let Some(row) = self.held.lock(tx, task_id).await? else {
             if request_input(event).is_some() {
                 // A request that outran its task's TaskAccepted: applied when the task arrives.
                 tracing::info!(%task_id, event_type = event.event_type(), "request for a task not yet accepted kept");
@@ -214,6 +263,7 @@ impl Handler for LifecycleEvents {
                     .bind(&e.step)
                     .execute(&mut *tx)
                     .await?;
+                self.held.forget(task_id);
                 return Ok(());
             }
             Event::AttemptSucceeded(e) => Input::Succeeded { grant_id: e.grant_id, result: tasks::artifact(&e.result) },
@@ -254,7 +304,7 @@ impl Handler for LifecycleEvents {
         if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
             health::observe(tx, &self.catalog, grant_id, health, now).await?;
         }
-        tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
+        self.held.hold(tasks::apply(tx, self.ctx(outbox), &row, input, now).await?);
         Ok(())
     }
 }

@@ -94,6 +94,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         settings: settings.clone(),
         channel: channel.clone(),
         statuses: Default::default(),
+        held: Default::default(),
     };
     app.consume("lifecycle", &[topics::TASKS, topics::ATTEMPTS, topics::RECOVERY], handler)?;
     let dispatcher = dispatcher::Dispatcher {

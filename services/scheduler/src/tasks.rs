@@ -157,14 +157,14 @@ impl StatusBatch {
 }
 
 /// Applies `input` to a locked row, stores it, carries out the effects and
-/// publishes the status if anything visible changed. Returns the new lifecycle.
+/// publishes the status if anything visible changed. Returns the row as saved.
 pub async fn apply(
     tx: &mut PgConnection,
     ctx: Context<'_>,
     row: &TaskRow,
     input: Input,
     now: Micros,
-) -> Result<Task, fenceline_bus::Error> {
+) -> Result<TaskRow, fenceline_bus::Error> {
     let policy = policy(ctx.catalog, &row.kind, ctx.settings);
     let transition = row.lifecycle.apply(input, now, &policy);
     let mut version = row.version;
@@ -176,7 +176,7 @@ pub async fn apply(
         ctx.publish_status(tx, status_of(row, &transition.task, version, now)).await?;
     }
     save(tx, ctx, row.task_id, &row.kind, &transition.task, version).await?;
-    Ok(transition.task)
+    Ok(TaskRow { lifecycle: transition.task, version, ..row.clone() })
 }
 
 /// Stores the lifecycle; a due time wakes the dispatchers when the transaction commits.
@@ -191,27 +191,30 @@ pub async fn save(
     // The provider column is the one the task's next attempt takes a slot of: the
     // dispatcher passes over the tasks of full providers by it.
     let provider = ctx.catalog.kind(kind).and_then(|k| k.slot_provider_after(task.resume_after_step.as_deref()));
-    // The deadline is a timer too: a waiting task comes due at its deadline at the latest.
-    let due = match (task.due_at, task.deadline) {
-        (Some(due), Some(deadline)) => Some(due.min(deadline)),
-        (due, _) => due,
-    };
     sqlx::query(
-        "UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, \
-         provider = coalesce($6, provider), updated_at = now() WHERE task_id = $1",
+        "WITH saved AS (UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, \
+         provider = coalesce($6, provider), updated_at = now() WHERE task_id = $1 RETURNING due_at_us) \
+         SELECT pg_notify($7, '') FROM saved WHERE due_at_us IS NOT NULL",
     )
     .bind(task_id.as_uuid())
     .bind(sqlx::types::Json(task))
     .bind(task.state.as_str())
-    .bind(due)
+    .bind(due_at(task))
     .bind(version)
     .bind(provider)
+    .bind(ctx.channel)
     .execute(&mut *tx)
     .await?;
-    if due.is_some() {
-        sqlx::query("SELECT pg_notify($1, '')").bind(ctx.channel).execute(&mut *tx).await?;
-    }
     Ok(())
+}
+
+/// When the task next needs the dispatcher: its timer, or its deadline if that
+/// comes first (the deadline is a timer too).
+pub fn due_at(task: &Task) -> Option<Micros> {
+    match (task.due_at, task.deadline) {
+        (Some(due), Some(deadline)) => Some(due.min(deadline)),
+        (due, _) => due,
+    }
 }
 
 async fn carry_out(
@@ -292,12 +295,14 @@ async fn carry_out(
 /// Gives a grant's slots back, at every provider it holds one, and wakes the
 /// dispatchers at commit.
 pub async fn release_slot(tx: &mut PgConnection, channel: &str, grant_id: GrantId) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM slots WHERE grant_id = $1").bind(grant_id.as_uuid()).execute(&mut *tx).await?;
-    sqlx::query("DELETE FROM other_provider_slots WHERE grant_id = $1")
-        .bind(grant_id.as_uuid())
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("SELECT pg_notify($1, '')").bind(channel).execute(&mut *tx).await?;
+    sqlx::query(
+        "WITH own AS (DELETE FROM slots WHERE grant_id = $1), \
+         others AS (DELETE FROM other_provider_slots WHERE grant_id = $1) SELECT pg_notify($2, '')",
+    )
+    .bind(grant_id.as_uuid())
+    .bind(channel)
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }
 

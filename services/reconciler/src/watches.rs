@@ -35,44 +35,53 @@ pub struct BatchWrites {
     facts: GrantFacts,
 }
 
-/// Grants claimed or ended in a batch. A grant not recorded yet (its
-/// `AttemptGranted` comes later, on another topic) has its facts kept in
-/// `early_grant_facts`, which the grant takes when it arrives.
+/// Grants claimed or ended in a batch, written when it ends: the claims and the
+/// ends that lead to nothing else. An end that opens a case, and a cancel (which
+/// must keep the grant from being re-issued), is written at once, as the re-issue
+/// loop does its own: the grant's row first, then the task's outbox key, so the
+/// two never wait on each other in opposite orders.
 #[derive(Debug, Default)]
 struct GrantFacts(fenceline_bus::gathered::All<(GrantId, GrantFact)>);
 
 impl GrantFacts {
     async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let mut facts: std::collections::BTreeMap<GrantId, (bool, bool)> = Default::default();
-        for (grant_id, fact) in self.0.take() {
-            let known = facts.entry(grant_id).or_default();
-            match fact {
-                GrantFact::Claimed => known.0 = true,
-                GrantFact::Ended => known.1 = true,
-            }
-        }
-        if facts.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<uuid::Uuid> = facts.keys().map(|id| id.as_uuid()).collect();
-        let (claimed, ended): (Vec<bool>, Vec<bool>) = facts.into_values().unzip();
-        sqlx::query(
-            "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::bool[], $3::bool[]) AS g (grant_id, claimed, ended)), \
-             updated AS (UPDATE grants SET claimed = grants.claimed OR given.claimed, \
-               ended = grants.ended OR given.ended FROM given WHERE grants.grant_id = given.grant_id \
-               RETURNING grants.grant_id) \
-             INSERT INTO early_grant_facts (grant_id, claimed, ended) \
-             SELECT grant_id, claimed, ended FROM given WHERE grant_id NOT IN (SELECT grant_id FROM updated) \
-             ON CONFLICT (grant_id) DO UPDATE SET claimed = early_grant_facts.claimed OR EXCLUDED.claimed, \
-             ended = early_grant_facts.ended OR EXCLUDED.ended",
-        )
-        .bind(ids)
-        .bind(claimed)
-        .bind(ended)
-        .execute(&mut *tx)
-        .await?;
-        Ok(())
+        write_grant_facts(tx, self.0.take()).await
     }
+}
+
+/// Records that grants were claimed or ended, in grant order. A grant not recorded
+/// yet (its `AttemptGranted` comes later, on another topic) has its facts kept in
+/// `early_grant_facts`, which the grant takes when it arrives.
+async fn write_grant_facts(tx: &mut PgConnection, heard: Vec<(GrantId, GrantFact)>) -> Result<(), sqlx::Error> {
+    let mut facts: std::collections::BTreeMap<GrantId, (bool, bool)> = Default::default();
+    for (grant_id, fact) in heard {
+        let known = facts.entry(grant_id).or_default();
+        match fact {
+            GrantFact::Claimed => known.0 = true,
+            GrantFact::Ended => known.1 = true,
+        }
+    }
+    if facts.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<uuid::Uuid> = facts.keys().map(|id| id.as_uuid()).collect();
+    let (claimed, ended): (Vec<bool>, Vec<bool>) = facts.into_values().unzip();
+    sqlx::query(
+        "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::bool[], $3::bool[]) AS g (grant_id, claimed, ended)), \
+         updated AS (UPDATE grants SET claimed = grants.claimed OR given.claimed, \
+           ended = grants.ended OR given.ended FROM given WHERE grants.grant_id = given.grant_id \
+           RETURNING grants.grant_id) \
+         INSERT INTO early_grant_facts (grant_id, claimed, ended) \
+         SELECT grant_id, claimed, ended FROM given WHERE grant_id NOT IN (SELECT grant_id FROM updated) \
+         ON CONFLICT (grant_id) DO UPDATE SET claimed = early_grant_facts.claimed OR EXCLUDED.claimed, \
+         ended = early_grant_facts.ended OR EXCLUDED.ended",
+    )
+    .bind(ids)
+    .bind(claimed)
+    .bind(ended)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// The newest status snapshot of each task in a consumer batch, for
@@ -489,7 +498,7 @@ impl Handler for Watches {
             }
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.
-            Event::CancelAttempt(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
+            Event::CancelAttempt(e) => write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?,
             Event::AttemptClaimed(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Claimed)),
             Event::CallIntentRecorded(e) => {
                 sqlx::query(
@@ -519,31 +528,32 @@ impl Handler for Watches {
             Event::TaskStatus(s) => self.batch.states.0.keep(s.task_id, s.version, || s.clone()),
             Event::AttemptSucceeded(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
             Event::AttemptReleased(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
-            Event::AttemptFailed(e) => {
+            Event::AttemptFailed(e) if e.error_class != ErrorClass::Ambiguous => {
                 self.batch.facts.0.push((e.grant_id, GrantFact::Ended));
-                if e.error_class == ErrorClass::Ambiguous {
-                    let call = self.call_of(tx, e.task_id, e.attempt).await?;
-                    let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
-                        Phase::ProviderAccepted
-                    } else {
-                        Phase::CallIntent
-                    };
-                    let lost = LostCall {
-                        task_id: e.task_id,
-                        attempt: e.attempt,
-                        phase,
-                        phase_at: call.as_ref().map_or(e.failed_at.0, |c| c.4),
-                        step: call.as_ref().map(|c| c.0.clone()),
-                        provider: call.as_ref().map(|c| c.1.clone()),
-                        operation_key: call.as_ref().map(|c| c.2.clone()),
-                        request_id: call.as_ref().and_then(|c| c.3.clone()),
-                        what: format!("the call's outcome is ambiguous: {}", e.message),
-                    };
-                    self.open_case(tx, outbox, lost).await?;
-                }
+            }
+            Event::AttemptFailed(e) => {
+                write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?;
+                let call = self.call_of(tx, e.task_id, e.attempt).await?;
+                let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
+                    Phase::ProviderAccepted
+                } else {
+                    Phase::CallIntent
+                };
+                let lost = LostCall {
+                    task_id: e.task_id,
+                    attempt: e.attempt,
+                    phase,
+                    phase_at: call.as_ref().map_or(e.failed_at.0, |c| c.4),
+                    step: call.as_ref().map(|c| c.0.clone()),
+                    provider: call.as_ref().map(|c| c.1.clone()),
+                    operation_key: call.as_ref().map(|c| c.2.clone()),
+                    request_id: call.as_ref().and_then(|c| c.3.clone()),
+                    what: format!("the call's outcome is ambiguous: {}", e.message),
+                };
+                self.open_case(tx, outbox, lost).await?;
             }
             Event::AttemptLost(e) => {
-                self.batch.facts.0.push((e.grant_id, GrantFact::Ended));
+                write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let lost = LostCall {
                     task_id: e.task_id,

@@ -33,6 +33,7 @@ pub struct Settings {
     pub executors: Vec<u64>,
     pub executor_seconds: u64,
     pub drain_seconds: u64,
+    pub warmup_seconds: u64,
     pub tickets: u64,
     pub ticket_concurrency: Vec<u64>,
     pub ticket_latency_ms: u64,
@@ -59,6 +60,7 @@ impl Settings {
             executors: list_setting("BENCH_EXECUTORS", &[1, 2, 4]),
             executor_seconds: setting("BENCH_EXECUTOR_SECONDS", 20).max(4),
             drain_seconds: setting("BENCH_DRAIN_SECONDS", 30),
+            warmup_seconds: setting("BENCH_WARMUP_SECONDS", 20),
             tickets: setting("BENCH_TICKETS", 30).max(1),
             ticket_concurrency: list_setting("BENCH_TICKET_CONCURRENCY", &[2, 8]),
             ticket_latency_ms: setting("BENCH_TICKET_LATENCY_MS", 500),
@@ -81,7 +83,8 @@ impl Settings {
             "BENCH_RUNS": self.runs, "BENCH_SECONDS": self.seconds, "BENCH_WINDOW": self.window,
             "BENCH_CLIENTS": self.clients, "BENCH_LOAD_SECONDS": self.load_seconds, "BENCH_LOADS": self.loads,
             "BENCH_EXECUTORS": self.executors, "BENCH_EXECUTOR_SECONDS": self.executor_seconds,
-            "BENCH_DRAIN_SECONDS": self.drain_seconds, "BENCH_TICKETS": self.tickets,
+            "BENCH_DRAIN_SECONDS": self.drain_seconds, "BENCH_WARMUP_SECONDS": self.warmup_seconds,
+            "BENCH_TICKETS": self.tickets,
             "BENCH_TICKET_CONCURRENCY": self.ticket_concurrency, "BENCH_TICKET_LATENCY_MS": self.ticket_latency_ms,
             "BENCH_TICKET_PROVIDER_IN_FLIGHT": self.ticket_provider_in_flight,
             "BENCH_TICKET_PROVIDER_PER_SECOND": self.ticket_provider_per_second,
@@ -109,6 +112,8 @@ struct Bench {
     admin: sqlx::PgPool,
     /// Each service's database (name, pool); intake's is the system's own.
     databases: HashMap<&'static str, (String, sqlx::PgPool)>,
+    /// Whether the system has carried load before ([`warm_up`]).
+    warmed: bool,
 }
 
 /// Intake's admission settings in the scenarios that measure the rest of the
@@ -187,7 +192,7 @@ impl Bench {
             system.spawn(&format!("executor-{n}"), "executor", &[url_of("executor")]).await;
         }
         let token = system.token(TENANT).await;
-        Self { system, token, admin, databases }
+        Self { system, token, admin, databases, warmed: false }
     }
 
     /// The pool of a service's database.
@@ -276,6 +281,9 @@ fn percentiles(mut values: Vec<f64>) -> Value {
 
 /// One measured period on a running system, and what it showed.
 async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, settings: &Settings) -> Value {
+    if !bench.warmed {
+        warm_up(bench, kind, settings).await;
+    }
     let target = bench.target(kind);
     let finished = Arc::new(AtomicU64::new(0));
     let monitor_queries = Arc::new(AtomicU64::new(0));
@@ -767,6 +775,39 @@ pub async fn backlog(settings: &Settings) -> Value {
     }
     let with_backlog = summarised("backlog", runs);
     json!({"empty": empty, "backlog": with_backlog, "filled": filled})
+}
+
+/// Runs `BENCH_WARMUP_SECONDS` of load (100 tasks/s offered) through a system
+/// that has carried none, unmeasured, and waits until those tasks finished: a fresh
+/// broker's JVM compiles its hot paths and a fresh Postgres fills its caches under
+/// the first load, which would otherwise count in the first measurement's figures.
+async fn warm_up(bench: &mut Bench, kind: &str, settings: &Settings) {
+    bench.warmed = true;
+    if settings.warmup_seconds == 0 {
+        return;
+    }
+    let target = bench.target(kind);
+    let seconds = settings.warmup_seconds as f64;
+    let submitted =
+        tokio::task::spawn_blocking(move || load::drive(&target, &Pace::Open { rate: 100.0 }, seconds, u64::MAX, 10))
+            .await
+            .unwrap_or_default();
+    let ids: Vec<uuid::Uuid> = submitted.iter().filter_map(|s| s.task_id.as_deref()?.parse().ok()).collect();
+    let until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds);
+    while tokio::time::Instant::now() < until {
+        let finished: Result<i64, _> = sqlx::query_scalar(
+            "SELECT count(*) FROM intake.task_view \
+             WHERE state IN ('succeeded', 'failed', 'cancelled') AND task_id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_one(bench.pool("intake"))
+        .await;
+        if finished.is_ok_and(|n| n >= ids.len() as i64) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    println!("  warmed up: {} tasks in {seconds:.0} s", ids.len());
 }
 
 /// Fills a running system's tables with a backlog; returns what it wrote.

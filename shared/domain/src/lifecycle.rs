@@ -1354,10 +1354,19 @@ mod tests {
                     prop_assert_eq!(&t.task, &before, "a final state changed");
                 }
                 if before.state == TaskState::OutcomeUnknown && t.task.state != before.state {
+                    // Only a person leaves it, or proof for its own case: a verified
+                    // result of the call in doubt (docs/decisions.md, item 15).
+                    let proof_for_its_case = matches!(&input, Input::Recovery {
+                        attempt, decision: RecoveryDecision::Recovered, result: Some(_), case_id, ..
+                    } if *attempt == before.attempt && case_id.is_some() && *case_id == before.case_id);
                     prop_assert!(
-                        matches!(input, Input::Resolution { .. } | Input::CancelRequested),
-                        "outcome unknown left without a person"
+                        matches!(input, Input::Resolution { .. } | Input::CancelRequested) || proof_for_its_case,
+                        "outcome unknown left without a person or proof for its case"
                     );
+                    if proof_for_its_case {
+                        prop_assert_eq!(t.task.state, TaskState::Succeeded, "proof ends it succeeded");
+                        prop_assert!(t.effects.iter().all(|e| !matches!(e, Effect::Dispatch { .. })), "no second call");
+                    }
                 }
                 if let Input::Resolution { case_id, .. } = &input
                     && before.case_id.as_deref() != Some(case_id.as_str())

@@ -3,9 +3,10 @@
 //! wrote, carrying the events that announce it and, where a step ends, its
 //! checkpoint or the operation key's `seq` bump; a transition with no key to move
 //! is a single statement. Zero rows means another worker holds the execution. A
-//! transient database error is retried until the attempt budget ends, also after the lease lapsed (renewals fail in the same outage):
-//! the write stays conditional on the token, so a worker that knows the outcome
-//! records it unless another worker took the execution over meanwhile.
+//! transient database error is retried until the attempt budget ends, also after
+//! the lease lapsed (renewals fail in the same outage): the write stays
+//! conditional on the token, so a worker that knows the outcome records it unless
+//! another worker took the execution over meanwhile.
 
 use std::time::Duration;
 
@@ -190,12 +191,7 @@ impl Workers {
         let rows =
             events.iter().map(|event| self.outbox.row(topics::ATTEMPTS, event)).collect::<Result<Vec<_>, _>>()?;
         let statement = fenced_statement(t, rows.len());
-        let query = self.bind_fenced(sqlx::query(&statement), lease, t);
-        let query = match rows.len() {
-            0 => query,
-            1 => rows.into_iter().next().expect("one row").bind(query),
-            _ => fenceline_bus::OutboxRow::bind_all(rows, query),
-        };
+        let query = fenceline_bus::OutboxRow::bind_rows(rows, self.bind_fenced(sqlx::query(&statement), lease, t));
         let (cancel_requested, granted_us, seq) = match t.new_key {
             None => fenced(query.fetch_optional(&self.pool).await?)?,
             Some(new_key) => {
@@ -411,11 +407,7 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
         }
         None => "",
     };
-    let outbox = match events {
-        0 => String::new(),
-        1 => format!(", {}", fenceline_bus::OutboxRow::inserted_after("written", 18)),
-        _ => format!(", {}", fenceline_bus::OutboxRow::all_inserted_after("written", 18)),
-    };
+    let outbox = fenceline_bus::OutboxRow::rows_inserted_after("written", 18, events);
     let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
     format!(
         "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \

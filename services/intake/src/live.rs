@@ -83,26 +83,26 @@ pub fn notified(suffix: usize) -> String {
 /// in task order keeps two consumers' batches from waiting on each other's marks
 /// in opposite orders.
 #[derive(Debug, Default)]
-pub struct BatchMarks(std::sync::Mutex<std::collections::BTreeMap<TaskId, Option<String>>>);
+pub struct BatchMarks(fenceline_bus::gathered::Merged<TaskId, Option<String>>);
 
 impl BatchMarks {
     /// Marks `task_id` changed when the batch commits; `tenant` as for [`changed`].
     pub fn mark(&self, task_id: TaskId, tenant: Option<&str>) {
-        let mut marks = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let known = marks.entry(task_id).or_default();
-        if known.is_none() {
-            *known = tenant.map(str::to_owned);
-        }
+        self.0.merge(task_id, |known| {
+            if known.is_none() {
+                *known = tenant.map(str::to_owned);
+            }
+        });
     }
 
     /// Forgets the marks of a batch that was rolled back.
     pub fn discard(&self) {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        self.0.discard();
     }
 
     /// Writes the gathered marks in `tx` and notifies the listeners on commit.
     pub async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let marks = std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let marks = self.0.take();
         if marks.is_empty() {
             return Ok(());
         }

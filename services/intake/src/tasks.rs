@@ -669,7 +669,7 @@ impl Ended {
 /// The attempts a batch heard of: when each was first taken up, and how it ended
 /// (the last end heard wins, as when each was written at once).
 #[derive(Debug, Default)]
-struct Attempts(std::sync::Mutex<BTreeMap<(TaskId, i32), Heard>>);
+struct Attempts(fenceline_bus::gathered::Merged<(TaskId, i32), Heard>);
 
 /// What a batch heard of one attempt.
 #[derive(Debug, Default)]
@@ -679,27 +679,22 @@ struct Heard {
 }
 
 impl Attempts {
-    fn entry(&self, task_id: TaskId, attempt: i32, change: impl FnOnce(&mut Heard)) {
-        let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        change(held.entry((task_id, attempt)).or_default());
-    }
-
     fn started(&self, task_id: TaskId, attempt: i32, at: Timestamp) {
-        self.entry(task_id, attempt, |heard| heard.started = Some(heard.started.map_or(at, |s| s.min(at))));
+        self.0.merge((task_id, attempt), |heard| heard.started = Some(heard.started.map_or(at, |s| s.min(at))));
     }
 
     fn ended(&self, task_id: TaskId, attempt: i32, how: Ended) {
-        self.entry(task_id, attempt, |heard| heard.ended = Some(how));
+        self.0.merge((task_id, attempt), |heard| heard.ended = Some(how));
     }
 
     fn discard(&self) {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        self.0.discard();
     }
 
     /// Writes each attempt heard of: the earliest start kept, the end replaced if
     /// one was heard, in task order.
     async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let held = std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let held = self.0.take();
         if held.is_empty() {
             return Ok(());
         }

@@ -41,9 +41,28 @@ pub struct BatchWrites {
 /// loop does its own: the grant's row first, then the task's outbox key, so the
 /// two never wait on each other in opposite orders.
 #[derive(Debug, Default)]
-struct GrantFacts(fenceline_bus::gathered::All<(GrantId, GrantFact)>);
+struct GrantFacts(fenceline_bus::gathered::Merged<GrantId, Heard>);
+
+/// What was heard of one grant.
+#[derive(Debug, Default, Clone, Copy)]
+struct Heard {
+    claimed: bool,
+    ended: bool,
+}
+
+impl Heard {
+    const CLAIMED: Heard = Heard { claimed: true, ended: false };
+    const ENDED: Heard = Heard { claimed: false, ended: true };
+}
 
 impl GrantFacts {
+    fn heard(&self, grant_id: GrantId, fact: Heard) {
+        self.0.merge(grant_id, |heard| {
+            heard.claimed |= fact.claimed;
+            heard.ended |= fact.ended;
+        });
+    }
+
     async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
         write_grant_facts(tx, self.0.take()).await
     }
@@ -52,20 +71,10 @@ impl GrantFacts {
 /// Records that grants were claimed or ended, in grant order. A grant not recorded
 /// yet (its `AttemptGranted` comes later, on another topic) has its facts kept in
 /// `early_grant_facts`, which the grant takes when it arrives.
-async fn write_grant_facts(tx: &mut PgConnection, heard: Vec<(GrantId, GrantFact)>) -> Result<(), sqlx::Error> {
-    let mut facts: std::collections::BTreeMap<GrantId, (bool, bool)> = Default::default();
-    for (grant_id, fact) in heard {
-        let known = facts.entry(grant_id).or_default();
-        match fact {
-            GrantFact::Claimed => known.0 = true,
-            GrantFact::Ended => known.1 = true,
-        }
-    }
+async fn write_grant_facts(tx: &mut PgConnection, facts: Vec<(GrantId, Heard)>) -> Result<(), sqlx::Error> {
     if facts.is_empty() {
         return Ok(());
     }
-    let ids: Vec<uuid::Uuid> = facts.keys().map(|id| id.as_uuid()).collect();
-    let (claimed, ended): (Vec<bool>, Vec<bool>) = facts.into_values().unzip();
     sqlx::query(
         "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::bool[], $3::bool[]) AS g (grant_id, claimed, ended)), \
          updated AS (UPDATE grants SET claimed = grants.claimed OR given.claimed, \
@@ -76,9 +85,9 @@ async fn write_grant_facts(tx: &mut PgConnection, heard: Vec<(GrantId, GrantFact
          ON CONFLICT (grant_id) DO UPDATE SET claimed = early_grant_facts.claimed OR EXCLUDED.claimed, \
          ended = early_grant_facts.ended OR EXCLUDED.ended",
     )
-    .bind(ids)
-    .bind(claimed)
-    .bind(ended)
+    .bind(facts.iter().map(|(id, _)| id.as_uuid()).collect::<Vec<_>>())
+    .bind(facts.iter().map(|(_, heard)| heard.claimed).collect::<Vec<_>>())
+    .bind(facts.iter().map(|(_, heard)| heard.ended).collect::<Vec<_>>())
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -498,8 +507,8 @@ impl Handler for Watches {
             }
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.
-            Event::CancelAttempt(e) => write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?,
-            Event::AttemptClaimed(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Claimed)),
+            Event::CancelAttempt(e) => write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?,
+            Event::AttemptClaimed(e) => self.batch.facts.heard(e.grant_id, Heard::CLAIMED),
             Event::CallIntentRecorded(e) => {
                 sqlx::query(
                     "INSERT INTO calls (task_id, attempt, step, provider, operation_key, intent_at_us) \
@@ -526,13 +535,13 @@ impl Handler for Watches {
             }
             Event::StepCheckpointed(_) | Event::AwaitingSignal(_) => {}
             Event::TaskStatus(s) => self.batch.states.0.keep(s.task_id, s.version, || s.clone()),
-            Event::AttemptSucceeded(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
-            Event::AttemptReleased(e) => self.batch.facts.0.push((e.grant_id, GrantFact::Ended)),
+            Event::AttemptSucceeded(e) => self.batch.facts.heard(e.grant_id, Heard::ENDED),
+            Event::AttemptReleased(e) => self.batch.facts.heard(e.grant_id, Heard::ENDED),
             Event::AttemptFailed(e) if e.error_class != ErrorClass::Ambiguous => {
-                self.batch.facts.0.push((e.grant_id, GrantFact::Ended));
+                self.batch.facts.heard(e.grant_id, Heard::ENDED);
             }
             Event::AttemptFailed(e) => {
-                write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?;
+                write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
                     Phase::ProviderAccepted
@@ -553,7 +562,7 @@ impl Handler for Watches {
                 self.open_case(tx, outbox, lost).await?;
             }
             Event::AttemptLost(e) => {
-                write_grant_facts(tx, vec![(e.grant_id, GrantFact::Ended)]).await?;
+                write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let lost = LostCall {
                     task_id: e.task_id,
@@ -578,13 +587,6 @@ impl Handler for Watches {
 }
 
 type CallRow = (String, String, String, Option<String>, i64);
-
-/// What can be heard of a grant on fenceline.attempts (and its cancel on dispatch).
-#[derive(Debug, Clone, Copy)]
-enum GrantFact {
-    Claimed,
-    Ended,
-}
 
 impl Watches {
     async fn call_of(

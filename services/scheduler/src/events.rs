@@ -101,7 +101,8 @@ impl LifecycleEvents {
         // The handler's span continues the submission's trace; later work joins it.
         let traceparent = fenceline_telemetry::current_traceparent();
         // One statement: the task, the requests that outran it taken, and the
-        // dispatchers woken at commit if it is due. No row: the task was known.
+        // dispatchers woken at commit if it is due (the third column only makes
+        // `woken` run). No row: the task was known.
         let inserted: Vec<(Option<i64>, Option<Vec<u8>>, i64)> = sqlx::query_as(
             "WITH inserted AS ( \
                INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
@@ -132,7 +133,7 @@ impl LifecycleEvents {
         }
         let early =
             early_inputs(e.task_id, inserted.into_iter().filter_map(|(seq, value, _)| seq.zip(value)).collect());
-        let row = TaskRow {
+        let mut row = TaskRow {
             task_id: e.task_id,
             tenant: e.tenant.clone(),
             kind: e.kind.clone(),
@@ -144,7 +145,6 @@ impl LifecycleEvents {
             traceparent,
         };
         self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
-        let mut row = row;
         for input in early {
             row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         }

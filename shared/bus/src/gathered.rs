@@ -44,6 +44,34 @@ impl<K: Ord, V> Newest<K, V> {
     }
 }
 
+/// One value per key, built up by each event of the batch that touches the key
+/// (`V::default()` first), handed back in key order.
+#[derive(Debug)]
+pub struct Merged<K, V>(Mutex<BTreeMap<K, V>>);
+
+impl<K, V> Default for Merged<K, V> {
+    fn default() -> Self {
+        Self(Mutex::new(BTreeMap::new()))
+    }
+}
+
+impl<K: Ord, V: Default> Merged<K, V> {
+    /// Changes the value gathered for `key`.
+    pub fn merge(&self, key: K, change: impl FnOnce(&mut V)) {
+        change(self.0.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_default());
+    }
+
+    /// Takes what was gathered, in key order.
+    pub fn take(&self) -> Vec<(K, V)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_iter().collect()
+    }
+
+    /// Forgets what a rolled-back batch gathered.
+    pub fn discard(&self) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    }
+}
+
 /// Everything gathered, in the order it came.
 #[derive(Debug)]
 pub struct All<V>(Mutex<Vec<V>>);
@@ -87,5 +115,17 @@ mod tests {
         newest.keep("c", 1, || "c1");
         newest.discard();
         assert!(newest.take().is_empty(), "discarded");
+    }
+
+    #[test]
+    fn merged_values_are_built_per_key_and_handed_back_in_key_order() {
+        let merged: Merged<&str, Vec<u8>> = Merged::default();
+        merged.merge("b", |v| v.push(1));
+        merged.merge("a", |v| v.push(2));
+        merged.merge("b", |v| v.push(3));
+        assert_eq!(merged.take(), vec![("a", vec![2]), ("b", vec![1, 3])]);
+        merged.merge("c", |v| v.push(4));
+        merged.discard();
+        assert!(merged.take().is_empty(), "discarded");
     }
 }

@@ -42,6 +42,15 @@ const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = 
 /// the schema like the shard locks, so that a batch of one service never waits on
 /// another's writers.
 const OUTBOX_COLUMNS: &str = "shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, produced_at_us, traceparent";
+/// The SQL types of [`OUTBOX_COLUMNS`], in order, for rows bound as arrays.
+const OUTBOX_COLUMN_TYPES: [&str; OutboxRow::PARAMETERS] =
+    ["int2", "text", "bytea", "bytea", "uuid", "text", "text", "text", "int8", "text"];
+
+/// The transaction lock on an outbox record key (`key`: an SQL expression), scoped
+/// to the schema.
+fn key_lock(key: &str) -> String {
+    format!("pg_advisory_xact_lock(hashtextextended(current_schema() || ':outbox-key:' || encode({key}, 'escape'), 0))")
+}
 
 /// The `event_type` header of a tombstone. Do not change: dashboards may match it
 /// (docs/wire.md, "Tombstones on fenceline.status").
@@ -189,10 +198,9 @@ impl OutboxRow {
     pub fn inserted_after(guard: &str, first: usize) -> String {
         let p: Vec<String> = (first..first + Self::PARAMETERS).map(|n| format!("${n}")).collect();
         format!(
-            "outbox_key_lock AS MATERIALIZED (SELECT 1 AS held FROM {guard}, pg_advisory_xact_lock(\
-             hashtextextended(current_schema() || ':outbox-key:' || encode({key}, 'escape'), 0))), \
+            "outbox_key_lock AS MATERIALIZED (SELECT 1 AS held FROM {guard}, {lock}), \
              outbox_row AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) SELECT {values} FROM outbox_key_lock)",
-            key = p[2],
+            lock = key_lock(&p[2]),
             values = p.join(", "),
         )
     }
@@ -221,27 +229,41 @@ impl OutboxRow {
     /// wait for an earlier writer of any of their keys and still follow each key's
     /// earlier rows.
     pub fn all_inserted_after(guard: &str, first: usize) -> String {
-        let p: Vec<String> = (first..first + Self::PARAMETERS).map(|n| format!("${n}")).collect();
+        let arrays: Vec<String> =
+            OUTBOX_COLUMN_TYPES.iter().zip(first..).map(|(sql_type, n)| format!("${n}::{sql_type}[]")).collect();
         format!(
-            "outbox_given AS MATERIALIZED (SELECT g.* FROM {guard}, unnest({shard}::int2[], {topic}::text[], \
-             {key}::bytea[], {payload}::bytea[], {event_id}::uuid[], {event_type}::text[], {fingerprint}::text[], \
-             {producer}::text[], {produced_at}::int8[], {traceparent}::text[]) WITH ORDINALITY AS g ({OUTBOX_COLUMNS}, n)), \
-             outbox_key_lock AS MATERIALIZED (SELECT count(pg_advisory_xact_lock(hashtextextended(\
-             current_schema() || ':outbox-key:' || encode(record_key, 'escape'), 0))) AS held \
-             FROM (SELECT DISTINCT record_key FROM outbox_given WHERE record_key IS NOT NULL ORDER BY record_key) AS keys), \
+            "outbox_given AS MATERIALIZED (SELECT g.* FROM {guard}, unnest({arrays}) WITH ORDINALITY \
+             AS g ({OUTBOX_COLUMNS}, n)), \
+             outbox_key_lock AS MATERIALIZED (SELECT count({lock}) AS held FROM (SELECT DISTINCT record_key \
+             FROM outbox_given WHERE record_key IS NOT NULL ORDER BY record_key) AS keys), \
              outbox_rows AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) \
              SELECT {OUTBOX_COLUMNS} FROM outbox_given, outbox_key_lock ORDER BY n)",
-            shard = p[0],
-            topic = p[1],
-            key = p[2],
-            payload = p[3],
-            event_id = p[4],
-            event_type = p[5],
-            fingerprint = p[6],
-            producer = p[7],
-            produced_at = p[8],
-            traceparent = p[9],
+            arrays = arrays.join(", "),
+            lock = key_lock("record_key"),
         )
+    }
+
+    /// What inserts `count` rows after `guard` ([`OutboxRow::inserted_after`] for
+    /// one, [`OutboxRow::all_inserted_after`] for more), as `, `-led common table
+    /// expressions; nothing for none. [`OutboxRow::bind_rows`] binds them.
+    pub fn rows_inserted_after(guard: &str, first: usize, count: usize) -> String {
+        match count {
+            0 => String::new(),
+            1 => format!(", {}", Self::inserted_after(guard, first)),
+            _ => format!(", {}", Self::all_inserted_after(guard, first)),
+        }
+    }
+
+    /// Binds `rows` as [`OutboxRow::rows_inserted_after`] numbered them.
+    pub fn bind_rows<'q>(
+        mut rows: Vec<OutboxRow>,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        match rows.len() {
+            0 => query,
+            1 => rows.remove(0).bind(query),
+            _ => Self::bind_all(rows, query),
+        }
     }
 
     /// Binds `rows` as the arrays of [`OutboxRow::all_inserted_after`], after the
@@ -269,10 +291,10 @@ impl OutboxRow {
 
     /// Inserts `rows` with one statement, in the order given, each under its key's
     /// lock ([`OutboxRow::all_inserted_after`]).
-    pub async fn insert_all(rows: Vec<OutboxRow>, conn: &mut PgConnection) -> Result<(), Error> {
+    pub async fn insert_all(mut rows: Vec<OutboxRow>, conn: &mut PgConnection) -> Result<(), Error> {
         match rows.len() {
             0 => return Ok(()),
-            1 => return rows.into_iter().next().expect("one row").insert(conn).await,
+            1 => return rows.remove(0).insert(conn).await,
             _ => {}
         }
         let statement = format!("WITH {} SELECT 1", Self::all_inserted_after("(SELECT 1) AS always", 1));

@@ -81,16 +81,18 @@ pub async fn commits(admin: &sqlx::PgPool, name: &str) -> i64 {
         .unwrap_or(0)
 }
 
-/// Rows written in `schema` so far (inserted, updated, deleted: `pg_stat_user_tables`).
-pub async fn row_writes(pool: &sqlx::PgPool, schema: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint FROM pg_stat_user_tables \
-         WHERE schemaname = $1",
+/// Rows written in `schema` so far (inserted, updated, deleted), and rows read by
+/// sequential scans of its tables (`pg_stat_user_tables`). The second shows a plan
+/// that reads a whole table where an index would do.
+pub async fn row_counts(pool: &sqlx::PgPool, schema: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint, \
+         coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables WHERE schemaname = $1",
     )
     .bind(schema)
     .fetch_one(pool)
     .await
-    .unwrap_or(0)
+    .unwrap_or((0, 0))
 }
 
 /// The sum of the end offsets of every partition of the topics under `prefix`:

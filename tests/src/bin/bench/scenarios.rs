@@ -34,6 +34,8 @@ pub struct Settings {
     pub executor_seconds: u64,
     pub drain_seconds: u64,
     pub warmup_seconds: u64,
+    /// Whether the warm-up ends with `ANALYZE` of every service's tables.
+    pub analyze_after_warmup: bool,
     pub tickets: u64,
     pub ticket_concurrency: Vec<u64>,
     pub ticket_latency_ms: u64,
@@ -61,6 +63,7 @@ impl Settings {
             executor_seconds: setting("BENCH_EXECUTOR_SECONDS", 20).max(4),
             drain_seconds: setting("BENCH_DRAIN_SECONDS", 30),
             warmup_seconds: setting("BENCH_WARMUP_SECONDS", 20),
+            analyze_after_warmup: setting("BENCH_ANALYZE_AFTER_WARMUP", 1) != 0,
             tickets: setting("BENCH_TICKETS", 30).max(1),
             ticket_concurrency: list_setting("BENCH_TICKET_CONCURRENCY", &[2, 8]),
             ticket_latency_ms: setting("BENCH_TICKET_LATENCY_MS", 500),
@@ -84,6 +87,7 @@ impl Settings {
             "BENCH_CLIENTS": self.clients, "BENCH_LOAD_SECONDS": self.load_seconds, "BENCH_LOADS": self.loads,
             "BENCH_EXECUTORS": self.executors, "BENCH_EXECUTOR_SECONDS": self.executor_seconds,
             "BENCH_DRAIN_SECONDS": self.drain_seconds, "BENCH_WARMUP_SECONDS": self.warmup_seconds,
+            "BENCH_ANALYZE_AFTER_WARMUP": u8::from(self.analyze_after_warmup),
             "BENCH_TICKETS": self.tickets,
             "BENCH_TICKET_CONCURRENCY": self.ticket_concurrency, "BENCH_TICKET_LATENCY_MS": self.ticket_latency_ms,
             "BENCH_TICKET_PROVIDER_IN_FLIGHT": self.ticket_provider_in_flight,
@@ -242,16 +246,20 @@ impl Bench {
     async fn snapshot(&self) -> Snapshot {
         let mut commits = HashMap::new();
         let mut rows = HashMap::new();
+        let mut scanned = HashMap::new();
         for service in SERVICES {
             let (name, pool) = &self.databases[service];
             commits.insert(service, probe::commits(&self.admin, name).await);
-            rows.insert(service, probe::row_writes(pool, service).await);
+            let (written, read) = probe::row_counts(pool, service).await;
+            rows.insert(service, written);
+            scanned.insert(service, read);
         }
         Snapshot {
             at_us: load::unix_us(),
             commits,
             records: probe::kafka_records(self.system.brokers.clone(), self.system.prefix.clone()).await,
             rows,
+            scanned,
         }
     }
 }
@@ -264,6 +272,8 @@ struct Snapshot {
     records: i64,
     /// Per service: rows written in its schema.
     rows: HashMap<&'static str, i64>,
+    /// Per service: rows its sequential scans read.
+    scanned: HashMap<&'static str, i64>,
 }
 
 /// p50, p99 and p99.9 of `values` (milliseconds) and how many there were.
@@ -428,6 +438,7 @@ async fn figures(
     let per_task = |value: f64| if finished == 0 { Value::Null } else { json!(round(value / finished as f64, 2)) };
     let whole_s = (whole.last.at_us - whole.first.at_us) as f64 / 1e6;
     let mut rows = serde_json::Map::new();
+    let mut scanned = serde_json::Map::new();
     let mut commits = serde_json::Map::new();
     let mut all_commits = 0.0;
     for service in SERVICES {
@@ -435,6 +446,7 @@ async fn figures(
             (after.get(service).copied().unwrap_or(0) - before.get(service).copied().unwrap_or(0)) as f64
         };
         rows.insert(service.to_owned(), per_task(delta(&whole.first.rows, &whole.last.rows)));
+        scanned.insert(service.to_owned(), per_task(delta(&whole.first.scanned, &whole.last.scanned)));
         // The benchmark's own counting queries run in intake's database.
         let own = if service == "intake" { whole.own_queries as f64 } else { 0.0 };
         let committed = delta(&whole.first.commits, &whole.last.commits) - own;
@@ -459,6 +471,7 @@ async fn figures(
         "postgres_commits_per_task_by_service": commits,
         "kafka_records_per_task": per_task((whole.last.records - whole.first.records) as f64),
         "row_writes_per_task": rows,
+        "rows_read_by_sequential_scans_per_task": scanned,
         "processes": probe::usage_json(whole.usage, whole_s, finished),
         "finished": finished,
         "window_s": round(window_s, 1),
@@ -807,7 +820,24 @@ async fn warm_up(bench: &mut Bench, kind: &str, settings: &Settings) {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // Statistics as a system that has been running has them. Tables created empty
+    // a minute ago have grown a hundredfold since autovacuum last analyzed them (it
+    // visits each database once a minute), and the services' prepared statements
+    // keep plans made for a few hundred rows: sequential scans where an index would
+    // read one row. `ANALYZE` invalidates those plans.
+    if settings.analyze_after_warmup {
+        analyze(bench).await;
+    }
     println!("  warmed up: {} tasks in {seconds:.0} s", ids.len());
+}
+
+/// Gathers fresh statistics of every service's tables.
+async fn analyze(bench: &Bench) {
+    for service in SERVICES {
+        if let Err(e) = sqlx::query("ANALYZE").execute(bench.pool(service)).await {
+            eprintln!("  ANALYZE of {service}'s database failed: {e}");
+        }
+    }
 }
 
 /// Fills a running system's tables with a backlog; returns what it wrote.
@@ -879,9 +909,7 @@ async fn fill_backlog(bench: &Bench, settings: &Settings) -> Value {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // As autovacuum would, eventually.
-    for service in SERVICES {
-        let _ = sqlx::query("ANALYZE").execute(bench.pool(service)).await;
-    }
+    analyze(bench).await;
     json!({"finished_copies_of_each_template": copies, "templates": ids.len(), "rows": tables,
            "waiting_held_by_scheduler": held})
 }

@@ -256,6 +256,20 @@ impl OwnPostgres {
         assert!(status.as_ref().is_ok_and(|s| s.success()), "pg_ctl restart failed: {status:?}");
     }
 
+    /// Stops the cluster as a crash would (`-m immediate`), leaving its folder for
+    /// [`OwnPostgres::restart_as_after_a_crash`] or the drop.
+    pub async fn stop(&self) {
+        let data = self.data().display().to_string();
+        let status = tokio::task::spawn_blocking(move || {
+            pg_command(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "-t", "60", "stop"])
+                .stdout(std::process::Stdio::null())
+                .status()
+        })
+        .await
+        .expect("pg thread");
+        assert!(status.as_ref().is_ok_and(|s| s.success()), "pg_ctl stop failed: {status:?}");
+    }
+
     /// The URL of its `fenceline` database.
     pub fn url(&self) -> String {
         format!("postgres://fenceline@127.0.0.1:{}/fenceline", self.port)

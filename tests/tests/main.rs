@@ -22,6 +22,7 @@ mod recovery;
 mod retention;
 mod scaleout;
 mod secrets;
+mod shutdown;
 mod tls;
 mod upgrade;
 

@@ -8,6 +8,6 @@ async fn main() -> anyhow::Result<()> {
     let _faults = fenceline_bus::faults::setup();
     let config = fenceline_executor::Config::parse();
     let app = fenceline_executor::build(config).await?;
-    app.run_until(fenceline_runtime::shutdown_signal()).await;
+    app.run_until_signalled().await;
     Ok(())
 }

@@ -77,7 +77,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
             let app = fenceline_intake::build(cli.config).await?;
-            app.run_until(fenceline_runtime::shutdown_signal()).await;
+            app.run_until_signalled().await;
         }
         Command::CreateToken { tenant, label } => {
             let tenant = fenceline_intake::auth::Tenant::parse(&tenant).map_err(anyhow::Error::msg)?;

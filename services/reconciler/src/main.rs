@@ -17,6 +17,6 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let app = fenceline_reconciler::build(config).await?;
-    app.run_until(fenceline_runtime::shutdown_signal()).await;
+    app.run_until_signalled().await;
     Ok(())
 }

@@ -8,6 +8,6 @@ async fn main() -> anyhow::Result<()> {
     let _faults = fenceline_bus::faults::setup();
     let config = fenceline_scheduler::Config::parse();
     let app = fenceline_scheduler::build(config).await?;
-    app.run_until(fenceline_runtime::shutdown_signal()).await;
+    app.run_until_signalled().await;
     Ok(())
 }

@@ -198,28 +198,64 @@ impl Base {
     /// Stops in order: not ready, end the long-lived responses, stop the HTTP server, cancel the background work
     /// and wait for it within `grace`, then stop the relay after a last round (what
     /// the draining work wrote is published), close the pool.
+    ///
+    /// Bounded whatever is stuck (a broker and a database both gone): work that
+    /// overruns its share of the grace is aborted and the pool's close waits
+    /// [`CLOSE_WAIT`] at most. Nothing is lost by that: what was not published
+    /// stays in the outbox, and what was not committed is redelivered. A process
+    /// stopped by a signal also has a deadline ([`App::run_until_signalled`]).
     pub async fn stop(self, http: ServerHandle, grace: std::time::Duration) {
         info!(service = self.name, "shutting down");
         self.readiness.set(false);
         self.stopping.cancel();
-        http.stop(true).await;
-        self.shutdown.cancel();
         let started = tokio::time::Instant::now();
+        if tokio::time::timeout(grace, http.stop(true)).await.is_err() {
+            warn!(service = self.name, "the HTTP server did not drain within the grace period");
+        }
+        self.shutdown.cancel();
+        let aborts: Vec<_> = self.tasks.iter().map(JoinHandle::abort_handle).collect();
         let all = futures_join(self.tasks);
-        if tokio::time::timeout(grace, all).await.is_err() {
-            warn!(service = self.name, "background work did not stop within the grace period");
+        let left = grace.saturating_sub(started.elapsed()).max(CLOSE_WAIT);
+        if tokio::time::timeout(left, all).await.is_err() {
+            warn!(service = self.name, "background work did not stop within the grace period; aborted");
+            aborts.iter().for_each(tokio::task::AbortHandle::abort);
         }
         let (relay_shutdown, relay) = self.relay;
         relay_shutdown.cancel();
+        let relay_abort = relay.abort_handle();
         let left = grace.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1));
         if tokio::time::timeout(left, relay).await.is_err() {
+            relay_abort.abort();
             warn!(
                 service = self.name,
                 "the outbox relay did not finish its last round; unconfirmed rows are sent on restart"
             );
         }
-        self.database.pool.close().await;
+        if tokio::time::timeout(CLOSE_WAIT, self.database.pool.close()).await.is_err() {
+            warn!(service = self.name, "the database pool did not close in time");
+        }
         info!(service = self.name, "stopped");
+    }
+}
+
+/// How long a stop waits for the database pool to close (its connections to be
+/// handed back and closed).
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long after its grace period a stopping service exits, whatever is left.
+pub const STOP_DEADLINE_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Exits the process `after` from now unless it has exited by then: the last
+/// resort of a stop, on a thread of its own so that a blocked runtime (a client
+/// library's thread that does not return, such as a consumer leaving a group whose
+/// broker is gone) cannot hold it back.
+fn stop_deadline(service: &'static str, after: std::time::Duration) {
+    let spawned = std::thread::Builder::new().name("stop-deadline".into()).spawn(move || {
+        std::thread::sleep(after);
+        tracing::error!(service, after_s = after.as_secs(), "the stop did not finish in time; exiting now");
+        std::process::exit(1);
+    });
+    if let Err(e) = spawned {
+        warn!(service, error = %e, "could not start the stop's deadline");
     }
 }
 
@@ -370,7 +406,20 @@ impl ServiceApp {
         Ok(())
     }
 
-    /// Serves until `shutdown` resolves, then stops in order.
+    /// Serves until the first SIGINT or SIGTERM ([`shutdown_signal`]), then stops in
+    /// order; the process exits [`STOP_DEADLINE_MARGIN`] after the grace period
+    /// even if the stop, or the runtime's teardown after it, has not finished.
+    pub async fn run_until_signalled(self) {
+        let (name, grace) = (self.base.name, self.grace);
+        self.run_until(async move {
+            shutdown_signal().await;
+            stop_deadline(name, grace + STOP_DEADLINE_MARGIN);
+        })
+        .await;
+    }
+
+    /// Serves until `shutdown` resolves, then stops in order. In-process, as tests
+    /// run a service: no deadline exits the process.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
         let handle = self.server.handle();
         let server = tokio::spawn(self.server);

@@ -245,29 +245,19 @@ impl OwnPostgres {
     /// Restarts the cluster as a crash would (`-m immediate`: no shutdown checkpoint,
     /// recovery on start); returns once it accepts connections again.
     pub async fn restart_as_after_a_crash(&self) {
-        let data = self.data().display().to_string();
-        let status = tokio::task::spawn_blocking(move || {
-            pg_command(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "-t", "60", "restart"])
-                .stdout(std::process::Stdio::null())
-                .status()
-        })
-        .await
-        .expect("pg thread");
-        assert!(status.as_ref().is_ok_and(|s| s.success()), "pg_ctl restart failed: {status:?}");
+        self.control_immediately("restart").await;
     }
 
     /// Stops the cluster as a crash would (`-m immediate`), leaving its folder for
     /// [`OwnPostgres::restart_as_after_a_crash`] or the drop.
     pub async fn stop(&self) {
+        self.control_immediately("stop").await;
+    }
+
+    /// `pg_ctl <action>` in immediate mode, waiting up to 60 s; panics if it fails.
+    async fn control_immediately(&self, action: &str) {
         let data = self.data().display().to_string();
-        let status = tokio::task::spawn_blocking(move || {
-            pg_command(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "-t", "60", "stop"])
-                .stdout(std::process::Stdio::null())
-                .status()
-        })
-        .await
-        .expect("pg thread");
-        assert!(status.as_ref().is_ok_and(|s| s.success()), "pg_ctl stop failed: {status:?}");
+        self.run(&["pg_ctl", "-D", &data, "-m", "immediate", "-w", "-t", "60", action]).await;
     }
 
     /// The URL of its `fenceline` database.

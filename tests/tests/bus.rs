@@ -171,10 +171,17 @@ async fn a_rebalance_in_the_middle_of_10000_events_applies_each_exactly_once() {
     let all = events(100, 100);
     upstream.publish(&all[..5_000]).await;
     wait_applied(&consumer_db.pool, 1_000, Duration::from_secs(60)).await;
-    // A second instance joins: the group rebalances while records keep flowing.
+    // A second instance joins: the group rebalances while the first half is still
+    // being applied. The second half is published once the new instance holds
+    // partitions, so that it takes part however fast the first one is.
     let b = spawn_consumer(&consumer_db, &prefix, &group, "instance-b", &shutdown_b);
-    upstream.publish(&all[5_000..]).await;
     let (stats_a, stats_b) = (a.stats(), b.stats());
+    let joined_by = tokio::time::Instant::now() + Duration::from_secs(60);
+    while stats_b.assigned_partitions.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        assert!(tokio::time::Instant::now() < joined_by, "the second instance got no partition within 60 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    upstream.publish(&all[5_000..]).await;
     let (applied, duplicated) = wait_applied(&consumer_db.pool, 10_000, Duration::from_secs(120)).await;
     assert_eq!(applied, 10_000, "no event skipped");
     assert_eq!(duplicated, 0, "no event applied twice");

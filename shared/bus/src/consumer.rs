@@ -319,12 +319,18 @@ struct FencedContext {
     /// Partitions assigned here whose stored progress lies beyond the end of the
     /// log: kept paused and not handled until an operator looks (docs/bus.md).
     halted: Mutex<HashSet<(String, i32)>>,
+    /// The client's errors, each kind logged at most once per period.
+    errors: crate::kafka::ErrorLog,
 }
 
 /// How often the client reports its statistics, from which the lag is measured.
 pub(crate) const STATISTICS_INTERVAL_MS: &str = "1000";
 
 impl ClientContext for FencedContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.errors.report(&self.spec.group, &error, reason);
+    }
+
     /// Lag per held partition: the log's end as the client last heard it (the last
     /// stable offset, which a `read_committed` consumer reads up to) minus the next
     /// offset the database has applied; for a partition this group never applied
@@ -551,6 +557,7 @@ impl FencedConsumer {
             shutdown: shutdown.clone(),
             assignment_changes: AtomicU64::new(0),
             halted: Mutex::default(),
+            errors: crate::kafka::ErrorLog::default(),
         };
         let consumer: Arc<BaseConsumer<FencedContext>> = Arc::new(
             crate::kafka::consumer_config(kafka, &spec.instance, &spec.group)
@@ -659,7 +666,9 @@ fn poll_loop(
                     ),
                 }
             }
-            Some(Err(e)) => warn!(group, error = %e, "consumer error"),
+            // The same error keeps coming while the brokers are down: logged once
+            // in a while with the client's own, not on every poll.
+            Some(Err(e)) => consumer.context().errors.report(group, &e, "from poll"),
         }
     }
     // Leave the group cleanly: the revoke callback drains the last batch.

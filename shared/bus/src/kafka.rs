@@ -7,8 +7,9 @@
 //! idempotent producer, consumer groups with the classic protocol and cooperative
 //! rebalancing, and compacted topics (`fenceline.status`).
 
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fenceline_config::KafkaConfig;
 use rdkafka::ClientConfig;
@@ -155,5 +156,85 @@ fn refusal(code: RDKafkaErrorCode, reason: &str, authentication: &str) -> Option
         Some(format!("TLS handshake failed: {reason}"))
     } else {
         None
+    }
+}
+
+/// How long a client's error of one kind is held back after it was logged.
+pub const ERROR_REPEAT_EVERY: Duration = Duration::from_secs(30);
+
+/// Logs a long-running client's errors, each kind at most once per
+/// [`ERROR_REPEAT_EVERY`], with how many like it were held back meanwhile:
+/// librdkafka reports the same error on every retry, several a second per client
+/// while every broker is down.
+#[derive(Debug, Default)]
+pub struct ErrorLog(Mutex<HashMap<String, (Instant, u64)>>);
+
+impl ErrorLog {
+    /// Logs `error` for `client` unless one of its kind was logged less than
+    /// [`ERROR_REPEAT_EVERY`] ago.
+    pub fn report(&self, client: &str, error: &KafkaError, reason: &str) {
+        let kind = error.rdkafka_error_code().map_or_else(|| error.to_string(), |code| format!("{code:?}"));
+        if let Some(held_back) = self.due(kind, Instant::now()) {
+            tracing::error!(client, error = %error, reason, held_back, "kafka client error");
+        }
+    }
+
+    /// Whether an error of `kind` seen at `now` is logged, and if so how many of
+    /// its kind were held back since the last one logged.
+    fn due(&self, kind: String, now: Instant) -> Option<u64> {
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match seen.get_mut(&kind) {
+            Some((logged_at, held)) if now.duration_since(*logged_at) < ERROR_REPEAT_EVERY => {
+                *held += 1;
+                None
+            }
+            Some((logged_at, held)) => {
+                let held_back = std::mem::take(held);
+                *logged_at = now;
+                Some(held_back)
+            }
+            None => {
+                seen.insert(kind, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
+/// The relay's producer's context: its errors through an [`ErrorLog`].
+#[derive(Debug, Default)]
+pub struct ProducerLog {
+    pub client: String,
+    errors: ErrorLog,
+}
+
+impl ProducerLog {
+    pub fn new(client: impl Into<String>) -> Self {
+        Self { client: client.into(), errors: ErrorLog::default() }
+    }
+}
+
+impl ClientContext for ProducerLog {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.errors.report(&self.client, &error, reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_of_one_kind_is_logged_once_per_period_with_how_many_were_held_back() {
+        let log = ErrorLog::default();
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        assert_eq!(log.due("AllBrokersDown".into(), at(0)), Some(0), "the first is logged");
+        assert_eq!(log.due("AllBrokersDown".into(), at(1)), None);
+        assert_eq!(log.due("AllBrokersDown".into(), at(29)), None);
+        assert_eq!(log.due("BrokerTransportFailure".into(), at(29)), Some(0), "another kind is its own");
+        assert_eq!(log.due("AllBrokersDown".into(), at(30)), Some(2), "after the period, with the two held back");
+        assert_eq!(log.due("AllBrokersDown".into(), at(31)), None);
+        assert_eq!(log.due("AllBrokersDown".into(), at(61)), Some(1));
     }
 }

@@ -357,7 +357,7 @@ pub struct RelayStats {
 pub struct Relay {
     pool: PgPool,
     lock_options: PgConnectOptions,
-    producer: FutureProducer,
+    producer: FutureProducer<crate::kafka::ProducerLog>,
     config: OutboxConfig,
     /// The schema's writer: dead letters of refused rows go through the outbox too.
     writer: OutboxWriter,
@@ -461,7 +461,8 @@ impl Relay {
         writer: &OutboxWriter,
     ) -> Result<Self, Error> {
         let name = name.into();
-        let producer = crate::kafka::producer_config(kafka, &name).create()?;
+        let producer = crate::kafka::producer_config(kafka, &name)
+            .create_with_context(crate::kafka::ProducerLog::new(name.clone()))?;
         Ok(Self {
             pool,
             lock_options,

@@ -202,9 +202,9 @@ impl ErrorLog {
 }
 
 /// The relay's producer's context: its errors through an [`ErrorLog`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ProducerLog {
-    pub client: String,
+    client: String,
     errors: ErrorLog,
 }
 

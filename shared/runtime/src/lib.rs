@@ -213,19 +213,13 @@ impl Base {
             warn!(service = self.name, "the HTTP server did not drain within the grace period");
         }
         self.shutdown.cancel();
-        let aborts: Vec<_> = self.tasks.iter().map(JoinHandle::abort_handle).collect();
-        let all = futures_join(self.tasks);
-        let left = grace.saturating_sub(started.elapsed()).max(CLOSE_WAIT);
-        if tokio::time::timeout(left, all).await.is_err() {
+        let left = |at_least| grace.saturating_sub(started.elapsed()).max(at_least);
+        if !join_or_abort(self.tasks, left(CLOSE_WAIT)).await {
             warn!(service = self.name, "background work did not stop within the grace period; aborted");
-            aborts.iter().for_each(tokio::task::AbortHandle::abort);
         }
         let (relay_shutdown, relay) = self.relay;
         relay_shutdown.cancel();
-        let relay_abort = relay.abort_handle();
-        let left = grace.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1));
-        if tokio::time::timeout(left, relay).await.is_err() {
-            relay_abort.abort();
+        if !join_or_abort(vec![relay], left(std::time::Duration::from_secs(1))).await {
             warn!(
                 service = self.name,
                 "the outbox relay did not finish its last round; unconfirmed rows are sent on restart"
@@ -259,10 +253,20 @@ fn stop_deadline(service: &'static str, after: std::time::Duration) {
     }
 }
 
-async fn futures_join(tasks: Vec<JoinHandle<()>>) {
-    for task in tasks {
-        let _ = task.await;
+/// Waits for `tasks` to end within `within`; aborts those still running then and
+/// returns false.
+async fn join_or_abort(tasks: Vec<JoinHandle<()>>, within: std::time::Duration) -> bool {
+    let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
+    let all = async {
+        for task in tasks {
+            let _ = task.await;
+        }
+    };
+    if tokio::time::timeout(within, all).await.is_ok() {
+        return true;
     }
+    aborts.iter().for_each(tokio::task::AbortHandle::abort);
+    false
 }
 
 /// Binds the HTTP listener (port 0 picks one) with the service's `routes`; every

@@ -801,25 +801,13 @@ async fn warm_up(bench: &mut Bench, kind: &str, settings: &Settings) {
     }
     let target = bench.target(kind);
     let seconds = settings.warmup_seconds as f64;
-    let submitted =
+    let ids = submitted_ids(
         tokio::task::spawn_blocking(move || load::drive(&target, &Pace::Open { rate: 100.0 }, seconds, u64::MAX, 10))
-            .await
-            .unwrap_or_default();
-    let ids: Vec<uuid::Uuid> = submitted.iter().filter_map(|s| s.task_id.as_deref()?.parse().ok()).collect();
-    let until = tokio::time::Instant::now() + Duration::from_secs(settings.drain_seconds);
-    while tokio::time::Instant::now() < until {
-        let finished: Result<i64, _> = sqlx::query_scalar(
-            "SELECT count(*) FROM intake.task_view \
-             WHERE state IN ('succeeded', 'failed', 'cancelled') AND task_id = ANY($1)",
-        )
-        .bind(&ids)
-        .fetch_one(bench.pool("intake"))
-        .await;
-        if finished.is_ok_and(|n| n >= ids.len() as i64) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+            .await,
+    );
+    let finished = ["succeeded", "failed", "cancelled"];
+    let limit = Duration::from_secs(settings.drain_seconds);
+    wait_until_in(bench.pool("intake"), &ids, &finished, limit, Duration::from_millis(500)).await;
     // Statistics as a system that has been running has them. Tables created empty
     // a minute ago have grown a hundredfold since autovacuum last analyzed them (it
     // visits each database once a minute), and the services' prepared statements
@@ -829,6 +817,31 @@ async fn warm_up(bench: &mut Bench, kind: &str, settings: &Settings) {
         analyze(bench).await;
     }
     println!("  warmed up: {} tasks in {seconds:.0} s", ids.len());
+}
+
+/// The ids of the tasks intake accepted, from what the load generator's thread
+/// handed back (nothing if it panicked).
+fn submitted_ids(driven: Result<Vec<Submission>, tokio::task::JoinError>) -> Vec<uuid::Uuid> {
+    driven.unwrap_or_default().iter().filter_map(|s| s.task_id.as_deref()?.parse().ok()).collect()
+}
+
+/// Waits, polling every `poll`, until every task of `ids` is in one of `states` in
+/// intake's read model, or `limit` passed.
+async fn wait_until_in(intake: &sqlx::PgPool, ids: &[uuid::Uuid], states: &[&str], limit: Duration, poll: Duration) {
+    let states: Vec<String> = states.iter().map(|s| (*s).to_owned()).collect();
+    let until = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < until {
+        let done: Result<i64, _> =
+            sqlx::query_scalar("SELECT count(*) FROM intake.task_view WHERE state = ANY($2) AND task_id = ANY($1)")
+                .bind(ids)
+                .bind(&states)
+                .fetch_one(intake)
+                .await;
+        if done.is_ok_and(|n| n >= ids.len() as i64) {
+            return;
+        }
+        tokio::time::sleep(poll).await;
+    }
 }
 
 /// Gathers fresh statistics of every service's tables.
@@ -846,25 +859,13 @@ async fn fill_backlog(bench: &Bench, settings: &Settings) -> Value {
     // Real finished tasks as templates, run through the whole system.
     let templates = 10u64;
     let template_target = bench.target(ONE_STEP);
-    let submitted = tokio::task::spawn_blocking(move || {
-        load::drive(&template_target, &Pace::Open { rate: 100.0 }, 5.0, templates, 2)
-    })
-    .await
-    .unwrap_or_default();
-    let ids: Vec<uuid::Uuid> = submitted.iter().filter_map(|s| s.task_id.as_deref()?.parse().ok()).collect();
-    let until = tokio::time::Instant::now() + Duration::from_secs(60);
-    while tokio::time::Instant::now() < until {
-        let done: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM intake.task_view WHERE state = 'succeeded' AND task_id = ANY($1)")
-                .bind(&ids)
-                .fetch_one(pool)
-                .await
-                .unwrap_or(0);
-        if done as usize == ids.len() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let ids = submitted_ids(
+        tokio::task::spawn_blocking(move || {
+            load::drive(&template_target, &Pace::Open { rate: 100.0 }, 5.0, templates, 2)
+        })
+        .await,
+    );
+    wait_until_in(pool, &ids, &["succeeded"], Duration::from_secs(60), Duration::from_millis(200)).await;
     // Let the reconciler and intake hear the last statuses.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let copies = (settings.backlog_finished / ids.len().max(1) as u64).max(1);

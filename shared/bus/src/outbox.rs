@@ -722,6 +722,9 @@ impl Relay {
             }
         }
         let mut sent = Vec::with_capacity(handed.len());
+        // One line for a round's failed deliveries: while the broker is away they
+        // are every row of the round.
+        let (mut failed, mut first_error) = (0usize, None);
         for outcome in handed {
             sent.push(match outcome {
                 Err(known) => known,
@@ -729,12 +732,16 @@ impl Relay {
                     Ok(Ok(_)) => Sent::Delivered,
                     Ok(Err((e, _))) if refused_for_good(e.rdkafka_error_code()) => Sent::Refused(e.to_string()),
                     Ok(Err((e, _))) => {
-                        warn!(error = %e, "delivery of an outbox row failed; it is sent again later");
+                        failed += 1;
+                        first_error.get_or_insert(e);
                         Sent::Failed
                     }
                     Err(_) => Sent::Failed,
                 },
             });
+        }
+        if let Some(error) = first_error {
+            warn!(relay = %self.name, failed, error = %error, "deliveries of outbox rows failed; they are sent again later");
         }
         sent
     }

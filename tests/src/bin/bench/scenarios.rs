@@ -298,8 +298,10 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     let finished = Arc::new(AtomicU64::new(0));
     let monitor_queries = Arc::new(AtomicU64::new(0));
     let stop_counting = tokio_util::sync::CancellationToken::new();
+    let (told, accepted) = tokio::sync::mpsc::unbounded_channel();
     let counter = tokio::spawn(load::count_finished(
         bench.pool("intake").clone(),
+        accepted,
         finished.clone(),
         monitor_queries.clone(),
         stop_counting.clone(),
@@ -325,7 +327,7 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     let sampler = tokio::spawn(probe::sample_until(bench.watched(), stop_sampling.clone()));
     let driving = {
         let (target, pace) = (target.clone(), pace.clone());
-        tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, u64::MAX, clients))
+        tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, u64::MAX, clients, Some(told)))
     };
     tokio::time::sleep(Duration::from_secs_f64(warmup)).await;
     let first = bench.snapshot().await;
@@ -698,9 +700,11 @@ pub async fn tickets(settings: &Settings) -> Value {
             let count = settings.tickets;
             let submitted = {
                 let target = target.clone();
-                tokio::task::spawn_blocking(move || load::drive(&target, &Pace::Open { rate: 1000.0 }, 10.0, count, 4))
-                    .await
-                    .unwrap_or_default()
+                tokio::task::spawn_blocking(move || {
+                    load::drive(&target, &Pace::Open { rate: 1000.0 }, 10.0, count, 4, None)
+                })
+                .await
+                .unwrap_or_default()
             };
             let started = submitted.first().map_or(load::unix_us(), |s| s.due_us);
             let ids: Vec<String> = submitted.iter().filter_map(|s| s.task_id.clone()).collect();
@@ -802,8 +806,10 @@ async fn warm_up(bench: &mut Bench, kind: &str, settings: &Settings) {
     let target = bench.target(kind);
     let seconds = settings.warmup_seconds as f64;
     let ids = submitted_ids(
-        tokio::task::spawn_blocking(move || load::drive(&target, &Pace::Open { rate: 100.0 }, seconds, u64::MAX, 10))
-            .await,
+        tokio::task::spawn_blocking(move || {
+            load::drive(&target, &Pace::Open { rate: 100.0 }, seconds, u64::MAX, 10, None)
+        })
+        .await,
     );
     let finished = ["succeeded", "failed", "cancelled"];
     let limit = Duration::from_secs(settings.drain_seconds);
@@ -861,7 +867,7 @@ async fn fill_backlog(bench: &Bench, settings: &Settings) -> Value {
     let template_target = bench.target(ONE_STEP);
     let ids = submitted_ids(
         tokio::task::spawn_blocking(move || {
-            load::drive(&template_target, &Pace::Open { rate: 100.0 }, 5.0, templates, 2)
+            load::drive(&template_target, &Pace::Open { rate: 100.0 }, 5.0, templates, 2, None)
         })
         .await,
     );
@@ -987,9 +993,10 @@ pub async fn admission(settings: &Settings) -> Value {
         let pace = Pace::Open { rate: settings.admission_offered as f64 };
         let clients = (settings.admission_offered as f64 / 10.0).clamp(4.0, settings.clients as f64) as usize;
         let seconds = settings.admission_seconds as f64;
-        let submissions = tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds, u64::MAX, clients))
-            .await
-            .unwrap_or_default();
+        let submissions =
+            tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds, u64::MAX, clients, None))
+                .await
+                .unwrap_or_default();
         let latency = |wanted: &dyn Fn(u16) -> bool| {
             percentiles(
                 submissions

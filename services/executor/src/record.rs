@@ -17,7 +17,7 @@ use sqlx::{PgConnection, Row as _};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::worker::{Lease, Stop, Workers, jitter};
+use crate::worker::{Lease, STILL_RUNNING, Stop, Workers, jitter};
 
 /// What the execution row becomes in one fenced write.
 #[derive(Debug, Clone, Copy)]
@@ -417,7 +417,7 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
                  provider_request_id = COALESCE($8, provider_request_id), \
                  lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
              FROM clock \
-             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND status = 'running' \
+             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND {STILL_RUNNING} \
              RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
          {sequence}{checkpoint}{outbox} \
          SELECT written.cancel_requested, written.granted_us, {seq} FROM written"

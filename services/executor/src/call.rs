@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::record::{Checkpoint, NewKey, Transition};
+use crate::record::{Checkpoint, NewKey, Status, Transition};
 use crate::worker::{Lease, Stop, Workers, jitter};
 
 /// The longest wait between two polls or two sends of one call, whatever the backoff says.
@@ -55,6 +55,7 @@ impl Workers {
         input: serde_json::Value,
         shutdown: &CancellationToken,
         ends: Ends,
+        finishes: bool,
     ) -> Result<Option<ArtifactRef>, Stop> {
         let Some((provider_name, operation)) = step.call() else {
             return Ok(None);
@@ -104,6 +105,7 @@ impl Workers {
                 seq: *earlier_seq,
                 window,
                 budget_ends: ends.budget,
+                finishes,
             };
             if let Some(settled) = self.ask_about_the_doubt(lease, &earlier, &input).await? {
                 return Ok(settled);
@@ -148,7 +150,8 @@ impl Workers {
             warn!(task_id = %lease.task_id, "{message}");
             return Ok(None);
         }
-        let call = Call { step: &step.name, provider, operation, key: &key, seq, window, budget_ends: ends.budget };
+        let call =
+            Call { step: &step.name, provider, operation, key: &key, seq, window, budget_ends: ends.budget, finishes };
         let answer = provider.start(operation, input.clone(), &key).await;
         fault!("executor.after_provider_answer");
         self.follow(lease, &call, input, answer).await
@@ -342,7 +345,8 @@ impl Workers {
         }
         let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
         let output = serde_json::to_value(&artifact).unwrap_or_default();
-        match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256)).await {
+        let finishing = call.finishes.then_some(&artifact);
+        match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256), finishing).await {
             Ok(()) => {}
             Err(Stop::Fenced) => {
                 // Another worker holds the execution and the reconciler has the case:
@@ -383,15 +387,20 @@ impl Workers {
     }
 
     /// Records a finished step (`result_recorded`) with its output and announces it.
+    /// Given `finishing`, the attempt's result, the same write also finishes the
+    /// attempt (`finished`, `succeeded`) and announces that after the checkpoint:
+    /// nothing is left to do between the last step's checkpoint and the attempt's
+    /// end, so they need not be two commits.
     pub(crate) async fn checkpoint(
         &self,
         lease: &mut Lease,
         step: &str,
         output: &serde_json::Value,
         sha256: Option<&str>,
+        finishing: Option<&ArtifactRef>,
     ) -> Result<(), Stop> {
         let sha = sha256.map_or_else(|| hex_sha(output), str::to_owned);
-        let event = Event::StepCheckpointed(fenceline_events::StepCheckpointed {
+        let checkpointed = Event::StepCheckpointed(fenceline_events::StepCheckpointed {
             task_id: lease.task_id,
             attempt: lease.attempt,
             step: step.to_owned(),
@@ -399,11 +408,19 @@ impl Workers {
             sha256: sha.clone(),
             checkpointed_at: crate::clock::now(),
         });
-        let transition = Transition {
-            checkpoint: Some(Checkpoint { step, output, sha256: &sha }),
-            ..Transition::to(Phase::ResultRecorded).step(step)
-        };
-        self.record(lease, transition, &[event]).await?;
+        let checkpoint = Some(Checkpoint { step, output, sha256: &sha });
+        match finishing {
+            None => {
+                let transition = Transition { checkpoint, ..Transition::to(Phase::ResultRecorded).step(step) };
+                self.record(lease, transition, &[checkpointed]).await?;
+            }
+            Some(result) => {
+                let transition =
+                    Transition { checkpoint, ..Transition::to(Phase::Finished).step(step).status(Status::Succeeded) };
+                self.record(lease, transition, &[checkpointed, crate::worker::succeeded(lease, result.clone())])
+                    .await?;
+            }
+        }
         Ok(())
     }
 }
@@ -419,6 +436,8 @@ struct Call<'a> {
     /// How long the request may take to leave ([`send_window`]).
     window: Duration,
     budget_ends: Instant,
+    /// The kind's last step: its checkpoint also finishes the attempt.
+    finishes: bool,
 }
 
 /// Sleeps, unless the worker is fenced meanwhile.

@@ -430,7 +430,7 @@ impl Workers {
         let input: serde_json::Value = serde_json::from_str(&claim.input_json).unwrap_or(serde_json::Value::Null);
         let mut outputs = serde_json::Map::new();
         let mut last: Option<ArtifactRef> = None;
-        for step in &kind.steps {
+        for (index, step) in kind.steps.iter().enumerate() {
             if let Some(output) = done.get(&step.name) {
                 if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
                     last = Some(artifact);
@@ -444,13 +444,19 @@ impl Workers {
             match step.approval_signal.as_deref() {
                 Some(signal) if claim.resume_after_step.as_deref() == Some(step.name.as_str()) => {
                     let output = serde_json::json!({ "approved_by_signal": signal });
-                    self.checkpoint(lease, &step.name, &output, None).await?;
+                    self.checkpoint(lease, &step.name, &output, None, None).await?;
                     outputs.insert(step.name.clone(), output);
                 }
                 Some(signal) => return self.await_signal(lease, &step.name, signal).await,
                 None => {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
-                    match self.call_step(step, lease, call_input, shutdown, ends).await? {
+                    // The last step's checkpoint finishes the attempt in the same write.
+                    let finishes = index + 1 == kind.steps.len();
+                    match self.call_step(step, lease, call_input, shutdown, ends, finishes).await? {
+                        Some(_) if finishes => {
+                            info!(task_id = %lease.task_id, "attempt succeeded");
+                            return Ok(());
+                        }
                         Some(result) => {
                             outputs.insert(step.name.clone(), serde_json::to_value(&result).unwrap_or_default());
                             last = Some(result);
@@ -463,14 +469,8 @@ impl Workers {
         let Some(result) = last else {
             return self.fail(lease, ErrorClass::Rejected, "the kind produced no result", None, false, None).await;
         };
-        let event = Event::AttemptSucceeded(AttemptSucceeded {
-            task_id: lease.task_id,
-            attempt: lease.attempt,
-            grant_id: lease.grant_id,
-            result,
-            finished_at: crate::clock::now(),
-        });
-        self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[event]).await?;
+        self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[succeeded(lease, result)])
+            .await?;
         info!(task_id = %lease.task_id, "attempt succeeded");
         Ok(())
     }
@@ -505,4 +505,15 @@ pub(crate) fn jitter() -> f64 {
     hasher
         .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
     (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The attempt's success, with the result of its last step.
+pub(crate) fn succeeded(lease: &Lease, result: ArtifactRef) -> Event {
+    Event::AttemptSucceeded(AttemptSucceeded {
+        task_id: lease.task_id,
+        attempt: lease.attempt,
+        grant_id: lease.grant_id,
+        result,
+        finished_at: crate::clock::now(),
+    })
 }

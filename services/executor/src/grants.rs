@@ -2,29 +2,52 @@
 //! (deduplicated by grant id, so a re-issued grant runs once) and each cooperative
 //! cancellation. The table carries the truth; workers claim from it.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_events::Event;
 use sqlx::PgConnection;
 use tokio::sync::Notify;
 
+/// The grants this process recorded, in the order their batches committed, for its
+/// workers to claim by id: a claim through the primary key instead of a walk of
+/// the claimable executions (docs/performance.md, "Claiming by grant id"). Only a
+/// hint: a grant another worker or instance claimed first is simply skipped, and
+/// what is never handed (another instance's grants, expired leases, anything
+/// recorded before a restart) is found by the oldest-first claim.
+#[derive(Debug, Default)]
+pub struct Handed(Mutex<VecDeque<uuid::Uuid>>);
+
+impl Handed {
+    /// The next grant to claim by id, if any.
+    pub fn pop(&self) -> Option<uuid::Uuid> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
+    }
+
+    fn extend(&self, ids: Vec<uuid::Uuid>) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend(ids);
+    }
+}
+
 /// Records grants and cancellations.
 #[derive(Debug, Clone)]
 pub struct GrantRecorder {
     /// Wakes this process's idle workers after a batch.
     pub wake: Arc<Notify>,
-    /// Grants recorded by the batch in progress: as many idle workers are woken
-    /// once it commits (a worker woken before the commit finds nothing to claim).
-    pub recorded: Arc<AtomicUsize>,
+    /// Grants recorded by the batch in progress: handed to the workers, and as
+    /// many idle workers woken, once it commits (a worker woken before the commit
+    /// finds nothing to claim).
+    recorded: Arc<Mutex<Vec<uuid::Uuid>>>,
+    /// Where the workers of this process take grants to claim by id.
+    pub handed: Arc<Handed>,
     /// Workers of this process: more are never woken.
     pub workers: usize,
 }
 
 impl GrantRecorder {
-    pub fn new(wake: Arc<Notify>, workers: usize) -> Self {
-        Self { wake, recorded: Arc::new(AtomicUsize::new(0)), workers }
+    pub fn new(wake: Arc<Notify>, handed: Arc<Handed>, workers: usize) -> Self {
+        Self { wake, recorded: Arc::default(), handed, workers }
     }
 }
 
@@ -60,7 +83,7 @@ impl Handler for GrantRecorder {
                 if inserted == 0 {
                     tracing::info!(grant_id = %g.grant_id, "grant already recorded; a re-issue runs nothing twice");
                 } else {
-                    self.recorded.fetch_add(1, Ordering::Relaxed);
+                    self.recorded.lock().unwrap_or_else(PoisonError::into_inner).push(g.grant_id.as_uuid());
                 }
             }
             Event::CancelAttempt(c) => {
@@ -76,11 +99,14 @@ impl Handler for GrantRecorder {
         Ok(())
     }
 
-    /// One idle worker per grant the batch recorded (a rolled-back batch's count
-    /// only wakes a few workers for nothing).
+    /// Hands the batch's grants to the workers and wakes one idle worker per grant.
+    /// (Grants of a rolled-back batch handed with the next one cost a claim that
+    /// finds nothing, or claims the grant its retry recorded.)
     fn committed(&self) {
-        let grants = self.recorded.swap(0, Ordering::Relaxed);
-        for _ in 0..grants.min(self.workers) {
+        let grants = std::mem::take(&mut *self.recorded.lock().unwrap_or_else(PoisonError::into_inner));
+        let woken = grants.len().min(self.workers);
+        self.handed.extend(grants);
+        for _ in 0..woken {
             self.wake.notify_one();
         }
     }

@@ -111,7 +111,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let mut app =
         ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
     let wake = Arc::new(tokio::sync::Notify::new());
-    app.consume("grants", &[topics::DISPATCH], grants::GrantRecorder::new(wake.clone(), settings.workers))?;
+    let handed = Arc::new(grants::Handed::default());
+    app.consume(
+        "grants",
+        &[topics::DISPATCH],
+        grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
+    )?;
     app.consume("status", &[topics::STATUS], retention::StatusProjection)?;
     let workers = worker::Workers {
         pool: app.base.database.pool.clone(),
@@ -120,6 +125,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         providers: Arc::new(providers),
         settings: settings.clone(),
         wake,
+        handed,
+        last_oldest_first: Arc::new(std::sync::Mutex::new(tokio::time::Instant::now())),
         idle_looker: Arc::new(tokio::sync::Mutex::new(())),
         name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
     };

@@ -118,6 +118,12 @@ pub struct Workers {
     pub providers: Arc<HashMap<String, HttpProvider>>,
     pub settings: Arc<ExecutorSettings>,
     pub wake: Arc<Notify>,
+    /// The grants this process recorded, claimed by id ([`crate::grants::Handed`]).
+    pub handed: Arc<crate::grants::Handed>,
+    /// When a worker of this process last claimed oldest first: with grants handed
+    /// all the time, that claim still runs once per `idle_poll_ms`, so that an
+    /// expired lease or another instance's grant waits no longer than when idle.
+    pub last_oldest_first: Arc<Mutex<Instant>>,
     /// Held by the one idle worker that looks for work on a timer (leases that
     /// expired, grants another instance recorded); the other idle workers wait to
     /// be woken, so an idle executor sends one claim per poll interval, not one per
@@ -218,21 +224,54 @@ impl Workers {
         }
     }
 
-    /// Claims the oldest ready execution, or one whose lease expired, with a
-    /// larger fencing token. A takeover after `call_intent` is reported lost here.
-    /// Expiry is judged by the database's clock in the same statement; the instant
-    /// returned with the claim is when the statement was sent (monotonic), and with
-    /// it the steps already checkpointed, read in the claim's transaction.
+    /// Claims a grant this process recorded, by its id, or else the oldest ready
+    /// execution or one whose lease expired (also once per `idle_poll_ms` while
+    /// grants are handed), with a larger fencing token. A takeover after
+    /// `call_intent` is reported lost here. Expiry is judged by the database's clock
+    /// in the same statement; the instant returned with the claim is when the
+    /// statement was sent (monotonic), and with it the steps already checkpointed,
+    /// read in the claim's transaction.
     async fn claim(&self, worker: &str) -> Result<Option<Claimed>, Stop> {
+        loop {
+            let handed = if self.oldest_first_due() { None } else { self.handed.pop() };
+            let claimed = self.claim_next(worker, handed).await?;
+            // A handed grant someone else claimed first: the next one.
+            if claimed.is_some() || handed.is_none() {
+                return Ok(claimed);
+            }
+        }
+    }
+
+    /// Whether the oldest-first claim is due; if so, it counts as done now.
+    fn oldest_first_due(&self) -> bool {
+        let mut last = self.last_oldest_first.lock().unwrap_or_else(PoisonError::into_inner);
+        let due = last.elapsed() >= Duration::from_millis(self.settings.idle_poll_ms);
+        if due {
+            *last = Instant::now();
+        }
+        due
+    }
+
+    /// One claim: of the ready execution of grant `handed` (through the primary
+    /// key, written so that no partial index applies, as [`STILL_RUNNING`]), or,
+    /// without it, of the oldest claimable one.
+    async fn claim_next(&self, worker: &str, handed: Option<uuid::Uuid>) -> Result<Option<Claimed>, Stop> {
+        let next = match handed {
+            Some(_) => {
+                "SELECT grant_id FROM executions WHERE grant_id = $3 AND (status = 'ready') IS TRUE \
+                        FOR UPDATE SKIP LOCKED"
+            }
+            None => {
+                "SELECT grant_id FROM executions, clock \
+                     WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
+                     ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED"
+            }
+        };
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
-        let claimed: Option<ClaimRow> = sqlx::query_as(&format!(
-            "WITH clock AS (SELECT {DB_NOW_US} AS now_us), \
-             next AS ( \
-                 SELECT grant_id FROM executions, clock \
-                 WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
-                 ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED) \
+        let statement = format!(
+            "WITH clock AS (SELECT {DB_NOW_US} AS now_us), next AS ({next}) \
              UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $1, \
                  lease_expires_at_us = clock.now_us + $2, takeover = (e.status = 'running'), status = 'running', \
                  first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us), \
@@ -242,11 +281,12 @@ impl Workers {
                  e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
                  e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
                  e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
-        ))
-        .bind(worker)
-        .bind(lease_us)
-        .fetch_optional(&mut *tx)
-        .await?;
+        );
+        let mut query = sqlx::query_as(&statement).bind(worker).bind(lease_us);
+        if let Some(grant_id) = handed {
+            query = query.bind(grant_id);
+        }
+        let claimed: Option<ClaimRow> = query.fetch_optional(&mut *tx).await?;
         let Some(claim) = claimed else {
             return Ok(None);
         };

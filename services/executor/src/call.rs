@@ -408,19 +408,16 @@ impl Workers {
             sha256: sha.clone(),
             checkpointed_at: crate::clock::now(),
         });
-        let checkpoint = Some(Checkpoint { step, output, sha256: &sha });
-        match finishing {
-            None => {
-                let transition = Transition { checkpoint, ..Transition::to(Phase::ResultRecorded).step(step) };
-                self.record(lease, transition, &[checkpointed]).await?;
-            }
-            Some(result) => {
-                let transition =
-                    Transition { checkpoint, ..Transition::to(Phase::Finished).step(step).status(Status::Succeeded) };
-                self.record(lease, transition, &[checkpointed, crate::worker::succeeded(lease, result.clone())])
-                    .await?;
-            }
+        let mut transition = Transition {
+            checkpoint: Some(Checkpoint { step, output, sha256: &sha }),
+            ..Transition::to(Phase::ResultRecorded).step(step)
+        };
+        let mut events = vec![checkpointed];
+        if let Some(result) = finishing {
+            transition = Transition { phase: Phase::Finished, ..transition.status(Status::Succeeded) };
+            events.push(crate::worker::succeeded(lease, result.clone()));
         }
+        self.record(lease, transition, &events).await?;
         Ok(())
     }
 }

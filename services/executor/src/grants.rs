@@ -1,14 +1,17 @@
 //! The executor's consumer of `fenceline.dispatch`: it only records each grant
 //! (deduplicated by grant id, so a re-issued grant runs once) and each cooperative
-//! cancellation. The table carries the truth; workers claim from it.
+//! cancellation. The table carries the truth; workers claim from it, the grants
+//! this process recorded by their ids ([`Handed`]).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_events::Event;
 use sqlx::PgConnection;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// The grants this process recorded, in the order their batches committed, for its
 /// workers to claim by id: a claim through the primary key instead of a walk of
@@ -16,17 +19,35 @@ use tokio::sync::Notify;
 /// hint: a grant another worker or instance claimed first is simply skipped, and
 /// what is never handed (another instance's grants, expired leases, anything
 /// recorded before a restart) is found by the oldest-first claim.
-#[derive(Debug, Default)]
-pub struct Handed(Mutex<VecDeque<uuid::Uuid>>);
+#[derive(Debug)]
+pub struct Handed {
+    grants: Mutex<VecDeque<uuid::Uuid>>,
+    /// When [`Handed::next`] last answered "oldest first" while grants were handed.
+    last_oldest_first: Mutex<Instant>,
+}
+
+impl Default for Handed {
+    fn default() -> Self {
+        Self { grants: Mutex::default(), last_oldest_first: Mutex::new(Instant::now()) }
+    }
+}
 
 impl Handed {
-    /// The next grant to claim by id, if any.
-    pub fn pop(&self) -> Option<uuid::Uuid> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
+    /// The next grant to claim by id; `None` when none is handed, and once per
+    /// `oldest_first_every` while grants are, so that an expired lease or another
+    /// instance's grant waits no longer for the oldest-first claim than when idle.
+    pub fn next(&self, oldest_first_every: Duration) -> Option<uuid::Uuid> {
+        let mut last = self.last_oldest_first.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.elapsed() >= oldest_first_every {
+            *last = Instant::now();
+            return None;
+        }
+        drop(last);
+        self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
     }
 
     fn extend(&self, ids: Vec<uuid::Uuid>) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend(ids);
+        self.grants.lock().unwrap_or_else(PoisonError::into_inner).extend(ids);
     }
 }
 

@@ -126,7 +126,6 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         settings: settings.clone(),
         wake,
         handed,
-        last_oldest_first: Arc::new(std::sync::Mutex::new(tokio::time::Instant::now())),
         idle_looker: Arc::new(tokio::sync::Mutex::new(())),
         name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
     };

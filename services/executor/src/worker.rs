@@ -120,10 +120,6 @@ pub struct Workers {
     pub wake: Arc<Notify>,
     /// The grants this process recorded, claimed by id ([`crate::grants::Handed`]).
     pub handed: Arc<crate::grants::Handed>,
-    /// When a worker of this process last claimed oldest first: with grants handed
-    /// all the time, that claim still runs once per `idle_poll_ms`, so that an
-    /// expired lease or another instance's grant waits no longer than when idle.
-    pub last_oldest_first: Arc<Mutex<Instant>>,
     /// Held by the one idle worker that looks for work on a timer (leases that
     /// expired, grants another instance recorded); the other idle workers wait to
     /// be woken, so an idle executor sends one claim per poll interval, not one per
@@ -233,23 +229,13 @@ impl Workers {
     /// read in the claim's transaction.
     async fn claim(&self, worker: &str) -> Result<Option<Claimed>, Stop> {
         loop {
-            let handed = if self.oldest_first_due() { None } else { self.handed.pop() };
+            let handed = self.handed.next(Duration::from_millis(self.settings.idle_poll_ms));
             let claimed = self.claim_next(worker, handed).await?;
             // A handed grant someone else claimed first: the next one.
             if claimed.is_some() || handed.is_none() {
                 return Ok(claimed);
             }
         }
-    }
-
-    /// Whether the oldest-first claim is due; if so, it counts as done now.
-    fn oldest_first_due(&self) -> bool {
-        let mut last = self.last_oldest_first.lock().unwrap_or_else(PoisonError::into_inner);
-        let due = last.elapsed() >= Duration::from_millis(self.settings.idle_poll_ms);
-        if due {
-            *last = Instant::now();
-        }
-        due
     }
 
     /// One claim: of the ready execution of grant `handed` (through the primary

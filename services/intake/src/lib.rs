@@ -139,7 +139,7 @@ struct State {
     sealing: Option<Arc<sealing::SealingKeys>>,
     /// The OpenAPI document, rendered once.
     openapi: Arc<String>,
-    /// The changes this instance's listener hears, for the event streams.
+    /// The changes this instance's follower reads, for the event streams.
     changes: live::Changes,
     /// Cancelled when the service begins to stop: the event streams end.
     stopping: tokio_util::sync::CancellationToken,
@@ -205,9 +205,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     .await?;
     seal_webhook_secrets(&app.base.database.pool, sealing.as_deref()).await?;
     let pool = app.base.database.pool.clone();
-    let schema = app.base.database.schema.as_str().to_owned();
-    let listening = app.base.shutdown.child_token();
-    app.base.spawn(live::listen(pool.clone(), schema, changes, listening));
+    let following = app.base.shutdown.child_token();
+    app.base.spawn(live::follow(pool.clone(), changes, following));
 
     app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection::default())?;
     app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection::default())?;

@@ -1,15 +1,16 @@
 //! Live changes for the dashboard (docs/dashboard.md). Every projection write marks
-//! its task changed in `task_changes` and notifies Postgres' `<schema>_task_changed`
-//! channel in the same transaction, so the notification leaves on commit. Each
-//! intake instance listens on that channel and fans the notifications out to its
-//! event streams (`GET /v1/events`): a stream hears every change, whichever
-//! instance's consumer projected it.
+//! its task changed in `task_changes` in the same transaction, with the id of the
+//! transaction that wrote the mark. Each intake instance follows that table by
+//! transaction ([`follow`]): every [`POLL_EVERY`] it reads the marks whose writers
+//! its previous read's snapshot could not yet see, and fans them out to its event
+//! streams (`GET /v1/events`). So a stream hears every change, whichever instance's
+//! consumer projected it, even one whose transaction commits long after it wrote
+//! its mark; and no commit waits on Postgres' one notification lock.
 
 use std::time::Duration;
 
 use actix_web::web::Bytes;
 use fenceline_domain::ids::TaskId;
-use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 use tokio::sync::{broadcast, mpsc};
@@ -18,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::Tenant;
 use crate::tasks;
 
-/// Do not change without the listeners: the channel is `<schema>` and this suffix,
-/// so two intakes in two schemas of one database do not hear each other.
-pub const CHANNEL_SUFFIX: &str = "_task_changed";
+/// How often each instance reads what changed, while it has a stream open; the
+/// most a stream waits to hear a committed change.
+pub const POLL_EVERY: Duration = Duration::from_millis(100);
 /// How often a quiet stream sends a comment line (and checks its token again).
 pub const HEARTBEAT: Duration = Duration::from_secs(15);
 /// A resumed stream replays changes from this long before its last event id: a
@@ -29,7 +30,7 @@ pub const RESUME_MARGIN: Duration = Duration::from_secs(10);
 /// More changes than this to replay, and the stream asks the page to reload instead.
 pub const REPLAY_LIMIT: i64 = 1000;
 
-/// Marks `task_id` changed and notifies the listeners when the transaction commits.
+/// Marks `task_id` changed; the streams hear of it once the transaction commits.
 /// The tenant comes from the status snapshot if given, else from what intake
 /// already knows of the task; a task intake knows nothing of is not announced
 /// (its first status snapshot announces it).
@@ -37,8 +38,7 @@ pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str
     mark(tx, &[task_id.as_uuid()], &[tenant.map(str::to_owned)]).await
 }
 
-/// Marks `ids` changed (each with its tenant, if known) and notifies the listeners
-/// when the transaction commits, in task order.
+/// Marks `ids` changed (each with its tenant, if known), in task order.
 async fn mark(tx: &mut PgConnection, ids: &[uuid::Uuid], tenants: &[Option<String>]) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
         "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
@@ -46,35 +46,27 @@ async fn mark(tx: &mut PgConnection, ids: &[uuid::Uuid], tenants: &[Option<Strin
            SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
            LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id \
            WHERE coalesce(g.tenant, v.tenant, t.tenant) IS NOT NULL), \
-         {marked} {notified}",
+         {marked} SELECT count(*) FROM marked",
         marked = marked_from("owner"),
-        notified = notified(3),
     ))
     .bind(ids)
     .bind(tenants)
-    .bind(CHANNEL_SUFFIX)
     .execute(&mut *tx)
     .await?;
     Ok(())
 }
 
 /// A common table expression `marked` that marks changed, in task order, each task
-/// `rows` (a `FROM` item with `task_id` and `tenant`) yields; [`notified`] finishes
-/// the statement.
+/// `rows` (a `FROM` item with `task_id` and `tenant`) yields, stamped with the time
+/// (a resumed stream's replay) and the transaction (what [`follow`] reads by).
 pub fn marked_from(rows: &str) -> String {
     format!(
-        "marked AS (INSERT INTO task_changes (task_id, tenant, changed_at) \
-         SELECT task_id, tenant, clock_timestamp() FROM {rows} ORDER BY task_id \
-         ON CONFLICT (task_id) DO UPDATE SET changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at) \
+        "marked AS (INSERT INTO task_changes (task_id, tenant, changed_at, changed_by) \
+         SELECT task_id, tenant, clock_timestamp(), pg_current_xact_id() FROM {rows} ORDER BY task_id \
+         ON CONFLICT (task_id) DO UPDATE SET changed_at = greatest(task_changes.changed_at, EXCLUDED.changed_at), \
+         changed_by = EXCLUDED.changed_by \
          RETURNING task_id, tenant)"
     )
-}
-
-/// The query that notifies the listeners of each task `marked` when the
-/// transaction commits, given [`CHANNEL_SUFFIX`] as parameter `$suffix`; it reads
-/// how many were marked.
-pub fn notified(suffix: usize) -> String {
-    format!("SELECT count(pg_notify(current_schema() || ${suffix}, tenant || ' ' || task_id::text)) FROM marked")
 }
 
 /// The tasks one consumer's batch changed, marked with one statement just before
@@ -100,7 +92,7 @@ impl BatchMarks {
         self.0.discard();
     }
 
-    /// Writes the gathered marks in `tx` and notifies the listeners on commit.
+    /// Writes the gathered marks in `tx`.
     pub async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
         let marks = self.0.take();
         if marks.is_empty() {
@@ -112,16 +104,14 @@ impl BatchMarks {
     }
 }
 
-/// What the listener tells the streams of this instance.
+/// A change [`follow`] read: a task of `tenant` changed.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Change {
-    /// A task of `tenant` changed.
-    Task { tenant: String, task_id: TaskId },
-    /// The listener lost its connection: notifications may have been missed.
-    Missed,
+pub struct Change {
+    pub tenant: String,
+    pub task_id: TaskId,
 }
 
-/// The fan-out from the one listener of this instance to its streams.
+/// The fan-out from the one follower of this instance to its streams.
 #[derive(Debug, Clone)]
 pub struct Changes(broadcast::Sender<Change>);
 
@@ -137,56 +127,71 @@ impl Changes {
     }
 }
 
-/// Listens on `<schema>_task_changed` until `shutdown`, reconnecting after a
-/// lost connection (and telling the streams they may have missed changes).
-pub async fn listen(pool: PgPool, schema: String, changes: Changes, shutdown: CancellationToken) {
-    let channel = format!("{schema}{CHANNEL_SUFFIX}");
+/// Follows `task_changes` until `shutdown`, telling this instance's streams of
+/// every committed mark.
+///
+/// Each read takes the statement's snapshot S and returns the marks visible in S
+/// whose writing transaction was not visible in the previous read's snapshot P.
+/// Any transaction that P could not see has an id of at least `xmax(P)` or is
+/// listed in-progress in P, so the read probes the index for exactly those ids:
+/// a transaction that stamped its mark before others committed, and commits after
+/// a read, is heard by the next read, and a transaction that stays open for long
+/// costs one probe per read. A task changed several times between two reads is
+/// heard once. Nothing is lost when the database is away: the next read starts
+/// from the same P. With no stream open, a read only takes its snapshot.
+pub async fn follow(pool: PgPool, changes: Changes, shutdown: CancellationToken) {
+    let mut previous: Option<String> = None;
+    let mut failing = false;
+    let mut every = tokio::time::interval(POLL_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let mut listener = match PgListener::connect_with(&pool).await {
-            Ok(listener) => listener,
-            Err(e) => {
-                tracing::warn!(error = %e, "the dashboard's change listener cannot connect; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
-        if let Err(e) = listener.listen(&channel).await {
-            tracing::warn!(error = %e, "the dashboard's change listener cannot listen; retrying");
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-            }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = every.tick() => {}
         }
-        loop {
-            let received = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                received = listener.try_recv() => received,
-            };
-            match received {
-                Ok(Some(notification)) => {
-                    let parsed = notification
-                        .payload()
-                        .split_once(' ')
-                        .and_then(|(tenant, id)| Some((tenant.to_owned(), id.parse::<TaskId>().ok()?)));
-                    if let Some((tenant, task_id)) = parsed {
-                        // No stream listening is not an error.
-                        let _ = changes.0.send(Change::Task { tenant, task_id });
-                    }
+        let streams_open = changes.0.receiver_count() > 0;
+        match read_changes(&pool, previous.as_deref().filter(|_| streams_open)).await {
+            Ok((snapshot, changed)) => {
+                if failing {
+                    tracing::info!("the dashboard's change follower reads again");
+                    failing = false;
                 }
-                // The connection was lost; the next call reconnects and listens again.
-                Ok(None) => {
-                    let _ = changes.0.send(Change::Missed);
+                previous = Some(snapshot);
+                for change in changed {
+                    // No stream listening is not an error.
+                    let _ = changes.0.send(change);
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the dashboard's change listener failed; reconnecting");
-                    let _ = changes.0.send(Change::Missed);
-                    break;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "the dashboard's change follower cannot read; retrying");
+                    failing = true;
                 }
             }
         }
     }
+}
+
+/// The current snapshot (as text) and, given the `previous` read's snapshot, the
+/// marks whose writers it could not see, in task order.
+async fn read_changes(pool: &PgPool, previous: Option<&str>) -> Result<(String, Vec<Change>), sqlx::Error> {
+    let Some(previous) = previous else {
+        return Ok((sqlx::query_scalar("SELECT pg_current_snapshot()::text").fetch_one(pool).await?, Vec::new()));
+    };
+    let (snapshot, ids, tenants): (String, Vec<uuid::Uuid>, Vec<String>) = sqlx::query_as(
+        "SELECT pg_current_snapshot()::text, coalesce(array_agg(task_id ORDER BY task_id), '{}'), \
+           coalesce(array_agg(tenant ORDER BY task_id), '{}') \
+         FROM task_changes \
+         WHERE (changed_by >= pg_snapshot_xmax($1::text::pg_snapshot) \
+             OR changed_by = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot)))) \
+           AND NOT pg_visible_in_snapshot(changed_by, $1::text::pg_snapshot)",
+    )
+    .bind(previous)
+    .fetch_one(pool)
+    .await?;
+    let changed =
+        ids.into_iter().zip(tenants).map(|(id, tenant)| Change { tenant, task_id: TaskId::from_uuid(id) }).collect();
+    Ok((snapshot, changed))
 }
 
 /// An event id: the change's time in microseconds since the epoch.
@@ -251,7 +256,7 @@ pub async fn run(stream: Stream, out: mpsc::Sender<Bytes>) {
                 }
             }
             change = changes.recv() => match change {
-                Ok(Change::Task { tenant: owner, task_id }) if owner == tenant.as_str() => {
+                Ok(Change { tenant: owner, task_id }) if owner == tenant.as_str() => {
                     match task_frame(&pool, &tenant, task_id).await {
                         Ok(Some(frame)) => out.send(frame).await,
                         Ok(None) => Ok(()),
@@ -261,10 +266,8 @@ pub async fn run(stream: Stream, out: mpsc::Sender<Bytes>) {
                         }
                     }
                 }
-                Ok(Change::Task { .. }) => Ok(()),
-                Ok(Change::Missed) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                    out.send(frame("reset", None, "{}")).await
-                }
+                Ok(Change { .. }) => Ok(()),
+                Err(broadcast::error::RecvError::Lagged(_)) => out.send(frame("reset", None, "{}")).await,
                 Err(broadcast::error::RecvError::Closed) => return,
             },
         };

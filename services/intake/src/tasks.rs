@@ -242,10 +242,9 @@ pub async fn submit_in(
              accepted_at) \
            SELECT task_id, tenant, $6::text, $7::jsonb, $8::text, $9::timestamptz, $10::timestamptz, $11::jsonb, \
              $2::text, $12::timestamptz FROM claimed_key RETURNING task_id, tenant), \
-         {outbox}, {marked} {notified}",
-        outbox = fenceline_bus::OutboxRow::inserted_after("accepted", 14),
+         {outbox}, {marked} SELECT count(*) FROM marked",
+        outbox = fenceline_bus::OutboxRow::inserted_after("accepted", 13),
         marked = crate::live::marked_from("accepted"),
-        notified = crate::live::notified(13),
     );
     let query = sqlx::query(&statement)
         .bind(tenant.as_str())
@@ -259,8 +258,7 @@ pub async fn submit_in(
         .bind(task.deadline)
         .bind(task.not_before)
         .bind(sqlx::types::Json(&task.labels))
-        .bind(accepted_at)
-        .bind(crate::live::CHANNEL_SUFFIX);
+        .bind(accepted_at);
     let created: i64 = sqlx::Row::try_get(&row.bind(query).fetch_one(&mut *conn).await?, 0)?;
     if created == 0 {
         let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(

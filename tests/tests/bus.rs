@@ -185,8 +185,17 @@ async fn a_rebalance_in_the_middle_of_10000_events_applies_each_exactly_once() {
     let (applied, duplicated) = wait_applied(&consumer_db.pool, 10_000, Duration::from_secs(120)).await;
     assert_eq!(applied, 10_000, "no event skipped");
     assert_eq!(duplicated, 0, "no event applied twice");
-    let by_a = stats_a.applied.load(std::sync::atomic::Ordering::Relaxed);
-    let by_b = stats_b.applied.load(std::sync::atomic::Ordering::Relaxed);
+    // An instance counts a batch once its commit has returned, so the last batch's
+    // rows can be visible before its count is: wait for the counts to catch up.
+    let counted = || {
+        let by_a = stats_a.applied.load(std::sync::atomic::Ordering::Relaxed);
+        (by_a, stats_b.applied.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    let settled_by = tokio::time::Instant::now() + Duration::from_secs(10);
+    while counted().0 + counted().1 < 10_000 && tokio::time::Instant::now() < settled_by {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (by_a, by_b) = counted();
     eprintln!("applied by instance a: {by_a}, by instance b: {by_b}");
     assert!(by_b > 0, "the second instance took part");
     assert_eq!(by_a + by_b, 10_000, "the instances' counts add up: nothing applied twice in between");

@@ -1305,9 +1305,12 @@ struct Sent {
     data: String,
 }
 
+/// What an open event stream has carried so far, event by event.
+type Stream = tokio::sync::mpsc::UnboundedReceiver<Sent>;
+
 /// Opens `GET /v1/events` as the holder of `token` and passes on each event it
 /// carries, until the stream ends or the receiver is dropped.
-fn open_stream(intake: &Intake, token: &str) -> tokio::sync::mpsc::UnboundedReceiver<Sent> {
+fn open_stream(intake: &Intake, token: &str) -> Stream {
     use std::io::BufRead;
     let (sent, received) = tokio::sync::mpsc::unbounded_channel();
     let (url, token) = (format!("{}/v1/events", intake.base), token.to_owned());
@@ -1334,7 +1337,7 @@ fn open_stream(intake: &Intake, token: &str) -> tokio::sync::mpsc::UnboundedRece
 
 /// The tasks a stream sent `task` events for within `within`, in order; it must
 /// not ask for a reload.
-async fn heard_within(stream: &mut tokio::sync::mpsc::UnboundedReceiver<Sent>, within: Duration) -> Vec<String> {
+async fn heard_within(stream: &mut Stream, within: Duration) -> Vec<String> {
     let mut tasks = Vec::new();
     let until = tokio::time::Instant::now() + within;
     while let Ok(Some(sent)) = tokio::time::timeout_at(until, stream.recv()).await {
@@ -1348,7 +1351,7 @@ async fn heard_within(stream: &mut tokio::sync::mpsc::UnboundedReceiver<Sent>, w
 }
 
 /// Waits (up to 10 s) for a stream's `task` event about `task_id`.
-async fn hears(stream: &mut tokio::sync::mpsc::UnboundedReceiver<Sent>, task_id: &str) {
+async fn hears(stream: &mut Stream, task_id: &str) {
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let sent = tokio::time::timeout_at(until, stream.recv())
@@ -1362,11 +1365,13 @@ async fn hears(stream: &mut tokio::sync::mpsc::UnboundedReceiver<Sent>, task_id:
     }
 }
 
-async fn ready(stream: &mut tokio::sync::mpsc::UnboundedReceiver<Sent>) {
+/// Waits (up to 10 s) for the stream's first event, which must be `ready`.
+async fn ready(stream: &mut Stream) {
     let first = tokio::time::timeout(Duration::from_secs(10), stream.recv()).await.expect("ready in time");
     assert_eq!(first.map(|s| s.event).as_deref(), Some("ready"));
 }
 
+/// Submits an image through `intake` as the holder of `token`; the new task's id.
 async fn submitted(intake: &Intake, token: &str, key: &str) -> String {
     let answer =
         call("POST", format!("{}/v1/tasks", intake.base), Some(token.to_owned()), Some(key), Some(image(key))).await;

@@ -1335,17 +1335,25 @@ fn open_stream(intake: &Intake, token: &str) -> Stream {
     received
 }
 
-/// The tasks a stream sent `task` events for within `within`, in order; it must
-/// not ask for a reload.
-async fn heard_within(stream: &mut Stream, within: Duration) -> Vec<String> {
-    let mut tasks = Vec::new();
-    let until = tokio::time::Instant::now() + within;
+/// The task of the stream's next `task` event, if one comes before `until`; the
+/// stream must not ask for a reload meanwhile.
+async fn next_task(stream: &mut Stream, until: tokio::time::Instant) -> Option<String> {
     while let Ok(Some(sent)) = tokio::time::timeout_at(until, stream.recv()).await {
         assert_ne!(sent.event, "reset", "the stream asked for a reload");
         if sent.event == "task" {
             let view: Value = serde_json::from_str(&sent.data).expect("a task event carries the task");
-            tasks.push(view["task_id"].as_str().expect("task id").to_owned());
+            return Some(view["task_id"].as_str().expect("task id").to_owned());
         }
+    }
+    None
+}
+
+/// The tasks a stream sent `task` events for within `within`, in order.
+async fn heard_within(stream: &mut Stream, within: Duration) -> Vec<String> {
+    let until = tokio::time::Instant::now() + within;
+    let mut tasks = Vec::new();
+    while let Some(task) = next_task(stream, until).await {
+        tasks.push(task);
     }
     tasks
 }
@@ -1354,13 +1362,10 @@ async fn heard_within(stream: &mut Stream, within: Duration) -> Vec<String> {
 async fn hears(stream: &mut Stream, task_id: &str) {
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let sent = tokio::time::timeout_at(until, stream.recv())
-            .await
-            .unwrap_or_else(|_| panic!("the stream did not hear of {task_id} within 10 s"))
-            .expect("the stream is open");
-        assert_ne!(sent.event, "reset", "the stream asked for a reload");
-        if sent.event == "task" && sent.data.contains(task_id) {
-            return;
+        match next_task(stream, until).await {
+            Some(task) if task == task_id => return,
+            Some(_) => {}
+            None => panic!("the stream did not hear of {task_id} within 10 s"),
         }
     }
 }

@@ -19,6 +19,7 @@ mod observability;
 mod postgres_tls;
 mod provider_faults;
 mod recovery;
+mod resends;
 mod retention;
 mod scaleout;
 mod secrets;

@@ -39,6 +39,11 @@ impl Handler for StatusProjection {
             .await?;
         Ok(())
     }
+
+    /// A snapshot sent again changes nothing: only a newer version writes.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        matches!(event, Event::TaskStatus(_))
+    }
 }
 
 /// Deletes the executor's rows of tasks whose latest status is final (`succeeded`,

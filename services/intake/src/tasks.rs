@@ -646,6 +646,16 @@ impl Handler for AttemptProjection {
         }
         Ok(())
     }
+
+    /// Every report but an attempt's end, sent again: its timeline line is keyed by
+    /// the event id and an attempt keeps its earliest start. An end is remembered,
+    /// as the last end heard replaces the one before.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        !matches!(
+            event,
+            Event::AttemptSucceeded(_) | Event::AttemptFailed(_) | Event::AttemptReleased(_) | Event::AttemptLost(_)
+        )
+    }
 }
 
 /// How an attempt ended, as `task_attempts` keeps it.
@@ -769,6 +779,12 @@ impl Handler for StatusProjection {
         self.batch.lines.gather(record);
         self.batch.marks.mark(status.task_id, Some(&status.tenant));
         Ok(())
+    }
+
+    /// A snapshot sent again: the view keeps the newest version, the timeline line
+    /// is keyed by the event id, and a mark only wakes the task's pages again.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        matches!(event, Event::TaskStatus(_))
     }
 }
 

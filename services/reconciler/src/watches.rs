@@ -584,6 +584,25 @@ impl Handler for Watches {
         }
         Ok(())
     }
+
+    /// What only records a fact, sent again: a grant is inserted once by its id, a
+    /// snapshot writes only when newer, a claim or an end only turns a flag on, a
+    /// checkpoint writes nothing. A call's intent and acceptance are remembered (a
+    /// late copy would put back an earlier call's key or request id), and so is
+    /// whatever may open a case.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        match event {
+            Event::AttemptGranted(_)
+            | Event::TaskStatus(_)
+            | Event::AttemptClaimed(_)
+            | Event::AttemptSucceeded(_)
+            | Event::AttemptReleased(_)
+            | Event::StepCheckpointed(_)
+            | Event::AwaitingSignal(_) => true,
+            Event::AttemptFailed(e) => e.error_class != ErrorClass::Ambiguous,
+            _ => false,
+        }
+    }
 }
 
 type CallRow = (String, String, String, Option<String>, i64);

@@ -6,7 +6,8 @@
 //!   is only a hint.
 //! - Records are handled in batches, one transaction per batch: the transaction
 //!   locks the batch's partition rows, applies only what [`plan_batch`] allows
-//!   (nothing if another instance took the partition over), dedupes by `event_id`,
+//!   (nothing if another instance took the partition over), dedupes by `event_id`
+//!   (but for events the handler applies twice harmlessly),
 //!   lets the handler change the projection and write outbox rows, dead-letters
 //!   what cannot be read, and advances `next_offset`. The broker offset is stored
 //!   only after the commit.
@@ -160,6 +161,19 @@ pub trait Handler: Send + Sync + 'static {
     /// Forgets what the handler gathered and has not flushed: the transaction or
     /// savepoint it belonged to was rolled back. Called before each batch too.
     fn discard(&self) {}
+
+    /// Whether applying `event` a second time (a relay re-sent it: the same event
+    /// id at a later offset, possibly after newer events) leaves this handler's
+    /// tables as applying it once did, and writes no outbox row. Such an event is
+    /// not remembered by its id (docs/bus.md, "Events applied twice on purpose"):
+    /// one row fewer per consumed record, the largest share of a task's rows. Say
+    /// yes only for what is so by construction (a versioned snapshot, a row keyed
+    /// by the event, a flag that only ever turns on) and prove it with a test that
+    /// sends the event again. The default says no: every event is remembered.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        let _ = event;
+        false
+    }
 }
 
 /// What to do with a record that does not decode: hold it (retry later, with an
@@ -1006,23 +1020,35 @@ impl<H: Handler> Processor<H> {
                 },
             }
         }
-        // One round trip dedupes the whole batch.
-        let ids: Vec<uuid::Uuid> = decoded.iter().map(|(_, e)| e.headers.event_id.as_uuid()).collect();
-        let fresh: HashSet<uuid::Uuid> = sqlx::query_scalar(
-            "INSERT INTO processed_events (consumer_group, event_id) SELECT $1, unnest($2::uuid[]) \
-             ON CONFLICT DO NOTHING RETURNING event_id",
-        )
-        .bind(&self.spec.group)
-        .bind(&ids)
-        .fetch_all(&mut **tx)
-        .await?
-        .into_iter()
-        .collect();
-        let mut seen = HashSet::with_capacity(fresh.len());
+        // One round trip dedupes the whole batch; events the handler may apply
+        // twice are not remembered, and a batch of only those skips it.
+        let remembered: Vec<bool> =
+            decoded.iter().map(|(_, e)| !self.handler.applies_twice_harmlessly(&e.event)).collect();
+        let ids: Vec<uuid::Uuid> = decoded
+            .iter()
+            .zip(&remembered)
+            .filter(|(_, remember)| **remember)
+            .map(|((_, e), _)| e.headers.event_id.as_uuid())
+            .collect();
+        let fresh: HashSet<uuid::Uuid> = if ids.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(
+                "INSERT INTO processed_events (consumer_group, event_id) SELECT $1, unnest($2::uuid[]) \
+                 ON CONFLICT DO NOTHING RETURNING event_id",
+            )
+            .bind(&self.spec.group)
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?
+            .into_iter()
+            .collect()
+        };
+        let mut seen = HashSet::with_capacity(decoded.len());
         let mut handled = 0;
-        for (message, envelope) in decoded {
+        for ((message, envelope), remember) in decoded.into_iter().zip(remembered) {
             let id = envelope.headers.event_id.as_uuid();
-            if !fresh.contains(&id) || !seen.insert(id) {
+            if (remember && !fresh.contains(&id)) || !seen.insert(id) {
                 self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
                 info!(topic, partition, event_id = %id, "duplicate event skipped: applied before");
                 continue;

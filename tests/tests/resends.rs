@@ -1,0 +1,208 @@
+//! Every relay sending everything again, against the whole system: a relay that
+//! dies between the broker's acknowledgement and marking its rows sends them again,
+//! with the same event ids, at later offsets. Whatever a consumer applies a second
+//! time on purpose (docs/bus.md, "Events applied twice on purpose") must leave its
+//! tables as they were, and what it remembers must still be skipped: no projection
+//! moves, no event is published anew, nothing is charged again.
+
+use std::time::Duration;
+
+use fenceline_events::{Event, SignalReceived, Timestamp, topics};
+use fenceline_tests::system::{Caps, System};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use serde_json::json;
+
+const LONG: Duration = Duration::from_secs(90);
+
+/// The tables a re-sent event could change, each as its sorted rows in text.
+/// `task_changes` is left out: a re-sent status marks its task again, which only
+/// wakes the task's pages.
+const PROJECTIONS: [&str; 14] = [
+    "intake.task_view",
+    "intake.task_timeline",
+    "intake.task_attempts",
+    "scheduler.tasks",
+    "scheduler.slots",
+    "executor.executions",
+    "executor.task_states",
+    "executor.checkpoints",
+    "executor.call_sequences",
+    "reconciler.task_states",
+    "reconciler.grants",
+    "reconciler.early_grant_facts",
+    "reconciler.calls",
+    "reconciler.cases",
+];
+
+const SERVICES: [&str; 4] = ["intake", "scheduler", "executor", "reconciler"];
+
+async fn rows_of(system: &System, table: &str) -> String {
+    sqlx::query_scalar(&format!("SELECT coalesce(string_agg(t::text, E'\\n' ORDER BY t::text), '') FROM {table} t"))
+        .fetch_one(&system.pool)
+        .await
+        .unwrap_or_else(|e| panic!("{table}: {e}"))
+}
+
+/// Every projection, and how many events each service has published.
+async fn everything(system: &System) -> Vec<(String, String)> {
+    let mut seen = Vec::new();
+    for table in PROJECTIONS {
+        seen.push((table.to_owned(), rows_of(system, table).await));
+    }
+    for service in SERVICES {
+        let published: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {service}.outbox"))
+            .fetch_one(&system.pool)
+            .await
+            .expect("outbox");
+        seen.push((format!("{service}.outbox rows"), published.to_string()));
+    }
+    seen
+}
+
+/// How many event ids the consumer group `<prefix><group>` remembers.
+async fn remembered(system: &System, service: &str, group: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {service}.processed_events WHERE consumer_group = $1"))
+        .bind(format!("{}{group}", system.prefix))
+        .fetch_one(&system.pool)
+        .await
+        .expect("processed_events")
+}
+
+/// How many events `service` published of the given types.
+async fn published(system: &System, service: &str, types: &[&str]) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {service}.outbox WHERE event_type = ANY($1)"))
+        .bind(types)
+        .fetch_one(&system.pool)
+        .await
+        .expect("outbox")
+}
+
+/// Waits until every outbox row is marked published and every consumer group of
+/// every service has applied its partitions up to the broker's end.
+async fn wait_quiet(system: &System) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let mut behind = Vec::new();
+        for service in SERVICES {
+            let unpublished: i64 =
+                sqlx::query_scalar(&format!("SELECT count(*) FROM {service}.outbox WHERE published_at IS NULL"))
+                    .fetch_one(&system.pool)
+                    .await
+                    .expect("outbox");
+            if unpublished > 0 {
+                behind.push(format!("{service}: {unpublished} rows unpublished"));
+            }
+            let progress: Vec<(String, String, i32, Option<i64>)> = sqlx::query_as(&format!(
+                "SELECT consumer_group, topic, partition, next_offset FROM {service}.consumer_partitions"
+            ))
+            .fetch_all(&system.pool)
+            .await
+            .expect("progress");
+            let brokers = system.brokers.clone();
+            let ends = tokio::task::spawn_blocking(move || {
+                let reader: BaseConsumer =
+                    ClientConfig::new().set("bootstrap.servers", brokers).create().expect("reader");
+                progress
+                    .into_iter()
+                    .map(|(group, topic, partition, next)| {
+                        let (_, end) =
+                            reader.fetch_watermarks(&topic, partition, Duration::from_secs(10)).expect("watermarks");
+                        (group, topic, partition, next.unwrap_or(0), end)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .expect("reader");
+            for (group, topic, partition, next, end) in ends {
+                if next < end {
+                    behind.push(format!("{group} at {next} of {end} on {topic}[{partition}]"));
+                }
+            }
+        }
+        if behind.is_empty() {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never caught up: {behind:?}\n{}", system.logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Has every relay send again the rows of its outbox that match `condition` (in
+/// which `OUTBOX` names that outbox), and waits until they are consumed; returns
+/// how many.
+async fn resend(system: &System, condition: &str) -> u64 {
+    let mut total = 0;
+    for service in SERVICES {
+        let outbox = format!("{service}.outbox");
+        let condition = condition.replace("OUTBOX", &outbox);
+        total += sqlx::query(&format!("UPDATE {outbox} SET published_at = NULL WHERE {condition}"))
+            .execute(&system.pool)
+            .await
+            .expect("unmark")
+            .rows_affected();
+    }
+    wait_quiet(system).await;
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charges_nothing() {
+    let dedupe = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = System::new(&[("gen", dedupe)]).await;
+    system.spawn("intake", "intake", &[]).await;
+    system.spawn_all(None).await;
+    let images = system.submit_many("acme", "image.generate", 4).await;
+    let ticket = system.submit("acme", "ticket.triage", json!({"ticket": "refund please"})).await;
+    system.wait_state(ticket, &["awaiting_approval"], LONG).await;
+    let approval = Event::SignalReceived(SignalReceived {
+        task_id: ticket,
+        tenant: "acme".into(),
+        signal_name: "refund_approved".into(),
+        signal_id: "approval-1".into(),
+        payload_json: "{}".into(),
+        received_at: Timestamp::now(),
+    });
+    system.publish(topics::TASKS, &approval).await;
+    for task in images.iter().chain([&ticket]) {
+        system.wait_state(*task, &["succeeded"], LONG).await;
+    }
+    wait_quiet(&system).await;
+    let before = everything(&system).await;
+    let charges = system.provider("gen").charges().await;
+    assert_eq!(charges, 4 + 3, "each image once, and the ticket's three calls once each");
+    assert!(before.iter().any(|(t, rows)| t == "intake.task_timeline" && rows.lines().count() > 30), "{before:?}");
+
+    // What is remembered by its id: only what could do harm applied twice.
+    assert_eq!(remembered(&system, "intake", "intake.status").await, 0, "status snapshots are not remembered");
+    assert_eq!(remembered(&system, "executor", "executor.status").await, 0, "nor by the executor");
+    let ends = ["AttemptSucceeded", "AttemptFailed", "AttemptReleased", "AttemptLost"];
+    assert_eq!(
+        remembered(&system, "intake", "intake.attempts").await,
+        published(&system, "executor", &ends).await,
+        "intake remembers the attempts' ends and no other report"
+    );
+    let calls = ["CallIntentRecorded", "ProviderAccepted"];
+    assert_eq!(
+        remembered(&system, "reconciler", "reconciler.watches").await,
+        published(&system, "executor", &calls).await,
+        "the reconciler remembers the calls' intents and acceptances and no fact"
+    );
+    let scheduled: i64 = published(&system, "executor", &["AttemptClaimed"]).await;
+    assert!(remembered(&system, "scheduler", "scheduler.lifecycle").await >= scheduled, "the lifecycle remembers all");
+
+    // Every relay sends everything again, as after a crash before marking; then,
+    // later than anything a relay would, the first event of each type of each task
+    // alone, after every newer one was applied.
+    let everything_again = resend(&system, "true").await;
+    assert!(everything_again > 40, "the whole history is sent again ({everything_again} events)");
+    let firsts = resend(&system, "id IN (SELECT min(id) FROM OUTBOX GROUP BY record_key, event_type)").await;
+    assert!(firsts > 20, "the first of each type and task is sent again ({firsts} events)");
+
+    let after = everything(&system).await;
+    for ((table, was), (_, is)) in before.iter().zip(&after) {
+        assert_eq!(was, is, "{table} changed when every event was sent again");
+    }
+    assert_eq!(system.provider("gen").charges().await, charges, "nothing was charged again");
+    assert!(system.count_lines("duplicate event skipped") > 0, "the remembered events were skipped");
+}

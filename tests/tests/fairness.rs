@@ -203,3 +203,93 @@ async fn tasks_of_a_kind_the_catalogue_no_longer_has_do_not_hold_up_their_tenant
         .await;
     system.wait_state(known, &["succeeded"], Duration::from_secs(30)).await;
 }
+
+/// The dispatcher's question, asked of a scheduler whose one provider is at its
+/// limit with 20,000 due tasks of one tenant: the answer is each tenant's head in
+/// the tenants' turn, and asking costs a few index entries per tenant and
+/// provider, not a read of every due task (429 buffers at 20,000, and 62 ms a
+/// round at 100,000, before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_round_reads_a_few_entries_per_tenant_and_provider_however_long_the_queue() {
+    let url = fenceline_tests::fresh_database().await;
+    let db = fenceline_store::connect(
+        &fenceline_tests::postgres(&url, "scheduler"),
+        "scheduler",
+        &[&fenceline_bus::MIGRATOR, &fenceline_scheduler::MIGRATOR],
+    )
+    .await
+    .expect("the scheduler's schema");
+    let add = |tenant: &str, provider: Option<&str>, count: i64, priority: i16, first_due: i64| {
+        sqlx::query(
+            "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, due_at_us) \
+             SELECT gen_random_uuid(), $1, 'image.generate', '{}', $4, $2, '{}', 'queued', $5 + i \
+             FROM generate_series(1, $3) i",
+        )
+        .bind(tenant.to_owned())
+        .bind(provider.map(str::to_owned))
+        .bind(count)
+        .bind(priority)
+        .bind(first_due)
+    };
+    add("tenant-a", Some("img"), 20_000, 1, 1_000).execute(&db.pool).await.expect("tenant A's backlog");
+    add("tenant-b", Some("txt"), 3, 1, 50_000).execute(&db.pool).await.expect("tenant B's tasks");
+    add("tenant-c", None, 2, 0, 60_000).execute(&db.pool).await.expect("tenant C's approvals");
+    add("tenant-b", Some("img"), 5, 1, 10_000_000).execute(&db.pool).await.expect("not due yet");
+    sqlx::query("INSERT INTO tenant_turns (tenant, last_granted_at_us) VALUES ('tenant-a', 1), ('tenant-b', 2)")
+        .execute(&db.pool)
+        .await
+        .expect("turns");
+    sqlx::query("ANALYZE tasks").execute(&db.pool).await.expect("analyze");
+
+    // Each head with its tenant and due time, in the order the dispatcher gets them.
+    let heads = async |limit: i64, excluded: Vec<String>| -> Vec<(String, Option<String>, i64)> {
+        let ids: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(fenceline_scheduler::dispatcher::HEADS)
+            .bind(1_000_000_i64)
+            .bind(limit)
+            .bind(excluded)
+            .fetch_all(&db.pool)
+            .await
+            .expect("heads");
+        let mut described = Vec::new();
+        for (task_id, provider) in ids {
+            let (tenant, due): (String, i64) = sqlx::query_as("SELECT tenant, due_at_us FROM tasks WHERE task_id = $1")
+                .bind(task_id)
+                .fetch_one(&db.pool)
+                .await
+                .expect("head");
+            described.push((tenant, provider, due));
+        }
+        described
+    };
+    let first = heads(4, vec![]).await;
+    let order: Vec<(&str, Option<&str>)> = first.iter().map(|(t, p, _)| (t.as_str(), p.as_deref())).collect();
+    assert_eq!(
+        order[..3],
+        [("tenant-c", None), ("tenant-a", Some("img")), ("tenant-b", Some("txt"))],
+        "each tenant's head first, the tenant never granted before the others, then by last grant: {first:?}"
+    );
+    assert_eq!(first[3].0, "tenant-c", "then each tenant's second: {first:?}");
+    let without_img = heads(32, vec!["img".into()]).await;
+    assert_eq!(without_img.len(), 5, "every due task of the other providers, none of img's: {without_img:?}");
+    assert!(without_img.iter().all(|(_, p, due)| p.as_deref() != Some("img") && *due <= 1_000_000));
+
+    for excluded in [vec![], vec!["img".to_owned()]] {
+        let plan: serde_json::Value = sqlx::query_scalar(&format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+            fenceline_scheduler::dispatcher::HEADS
+        ))
+        .bind(1_000_000_i64)
+        .bind(32_i64)
+        .bind(&excluded)
+        .fetch_one(&db.pool)
+        .await
+        .expect("plan");
+        let top = &plan[0]["Plan"];
+        let buffers = top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0);
+        assert!(
+            buffers < 100,
+            "excluding {excluded:?}, a round read {buffers} buffers of a queue of 20,000: {}",
+            serde_json::to_string_pretty(&plan).unwrap_or_default()
+        );
+    }
+}

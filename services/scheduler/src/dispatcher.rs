@@ -57,6 +57,34 @@ pub struct Dispatcher {
     pub channel: Arc<str>,
 }
 
+/// The next due tasks to try, at most `$2`: each tenant's first by priority and
+/// age before any tenant's second, the tenant granted least recently first, none
+/// of the providers in `$3` (a task without a provider always). A tenant's first
+/// `$2` are among the first `$2` of each of its providers, so each (tenant,
+/// provider) pair with due work is found by a skip over `tasks_due_by_provider`
+/// and read for at most `$2` entries: a round costs the pairs, not the due tasks
+/// (a provider at its limit may hold a hundred thousand of them).
+pub const HEADS: &str = "WITH RECURSIVE pairs AS ( \
+         (SELECT tenant, coalesce(provider, '') AS provider FROM tasks WHERE due_at_us IS NOT NULL \
+          ORDER BY tenant, coalesce(provider, '') LIMIT 1) \
+         UNION ALL \
+         SELECT next.tenant, next.provider FROM pairs CROSS JOIN LATERAL ( \
+             SELECT t.tenant, coalesce(t.provider, '') AS provider FROM tasks t \
+             WHERE t.due_at_us IS NOT NULL AND (t.tenant, coalesce(t.provider, '')) > (pairs.tenant, pairs.provider) \
+             ORDER BY t.tenant, coalesce(t.provider, '') LIMIT 1) next \
+     ), heads AS ( \
+         SELECT p.tenant, c.task_id, c.provider, \
+                row_number() OVER (PARTITION BY p.tenant ORDER BY c.priority, c.due_at_us) AS place \
+         FROM pairs p CROSS JOIN LATERAL ( \
+             SELECT t.task_id, t.provider, t.priority, t.due_at_us FROM tasks t \
+             WHERE t.tenant = p.tenant AND coalesce(t.provider, '') = p.provider \
+             AND t.due_at_us IS NOT NULL AND t.due_at_us <= $1 \
+             ORDER BY t.priority, t.due_at_us LIMIT $2) c \
+         WHERE p.provider <> ALL($3) \
+     ) \
+     SELECT h.task_id, h.provider FROM heads h LEFT JOIN tenant_turns t ON t.tenant = h.tenant \
+     WHERE h.place <= $2 ORDER BY h.place, t.last_granted_at_us NULLS FIRST, h.tenant LIMIT $2";
+
 impl Dispatcher {
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) {
@@ -129,21 +157,8 @@ impl Dispatcher {
         // for them must not hide the due tasks of other providers.
         let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
         loop {
-            let heads: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(
-                "SELECT h.task_id, h.provider FROM ( \
-                     SELECT task_id, tenant, provider, \
-                            row_number() OVER (PARTITION BY tenant ORDER BY priority, due_at_us) AS place \
-                     FROM tasks WHERE due_at_us IS NOT NULL AND due_at_us <= $1 \
-                     AND (provider IS NULL OR provider <> ALL($3)) \
-                 ) h LEFT JOIN tenant_turns t ON t.tenant = h.tenant \
-                 WHERE h.place <= $2 \
-                 ORDER BY h.place, t.last_granted_at_us NULLS FIRST, h.tenant LIMIT $2",
-            )
-            .bind(now)
-            .bind(limit)
-            .bind(&excluded)
-            .fetch_all(&mut *tx)
-            .await?;
+            let heads: Vec<(uuid::Uuid, Option<String>)> =
+                sqlx::query_as(HEADS).bind(now).bind(limit).bind(&excluded).fetch_all(&mut *tx).await?;
             let whole_page = heads.len() as i64 == limit;
             for (task_id, provider) in heads {
                 let provider = provider.unwrap_or_default();

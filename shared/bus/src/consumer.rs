@@ -7,8 +7,8 @@
 //! - Records are handled in batches, one transaction per batch: the transaction
 //!   locks the batch's partition rows, applies only what [`plan_batch`] allows
 //!   (nothing if another instance took the partition over), dedupes by `event_id`
-//!   (but for events the handler applies twice harmlessly),
-//!   lets the handler change the projection and write outbox rows, dead-letters
+//!   all but the events its handler applies twice harmlessly, lets the handler
+//!   change the projection and write outbox rows, dead-letters
 //!   what cannot be read, and advances `next_offset`. The broker offset is stored
 //!   only after the commit.
 //! - On revocation the in-flight batch is drained before the partitions are given up.

@@ -250,16 +250,16 @@ async fn a_dispatch_round_reads_a_few_entries_per_tenant_and_provider_however_lo
             .fetch_all(&db.pool)
             .await
             .expect("heads");
-        let mut described = Vec::new();
-        for (task_id, provider) in ids {
-            let (tenant, due): (String, i64) = sqlx::query_as("SELECT tenant, due_at_us FROM tasks WHERE task_id = $1")
-                .bind(task_id)
-                .fetch_one(&db.pool)
-                .await
-                .expect("head");
-            described.push((tenant, provider, due));
-        }
-        described
+        let (task_ids, providers): (Vec<uuid::Uuid>, Vec<Option<String>>) = ids.into_iter().unzip();
+        let described: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT t.tenant, t.due_at_us FROM unnest($1::uuid[]) WITH ORDINALITY AS h (task_id, n) \
+             JOIN tasks t USING (task_id) ORDER BY h.n",
+        )
+        .bind(&task_ids)
+        .fetch_all(&db.pool)
+        .await
+        .expect("heads' tasks");
+        described.into_iter().zip(providers).map(|((tenant, due), provider)| (tenant, provider, due)).collect()
     };
     let first = heads(4, vec![]).await;
     let order: Vec<(&str, Option<&str>)> = first.iter().map(|(t, p, _)| (t.as_str(), p.as_deref())).collect();

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fenceline_config::{ConsumerConfig, KafkaConfig};
-use fenceline_domain::progress::{BatchPlan, StartAt, StoredProgress, plan_batch, start_at};
+use fenceline_domain::progress::{BatchPlan, StartAt, StoredProgress, batch_wait, plan_batch, start_at};
 use fenceline_events::{Bytes, DeadLetter, Envelope, Event, OriginalHeader, Timestamp, topics};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::KafkaError;
@@ -715,6 +715,14 @@ struct Condemned {
     reason: String,
 }
 
+/// How long ago `message` was produced, by its timestamp; `None` without one.
+fn age(message: &OwnedMessage) -> Option<Duration> {
+    let produced_ms = u64::try_from(message.timestamp().to_millis()?).ok()?;
+    let now_ms =
+        u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_millis()).ok()?;
+    Some(Duration::from_millis(now_ms.saturating_sub(produced_ms)))
+}
+
 /// How often remembered event ids past their retention are deleted.
 const DEDUP_PURGE_EVERY: Duration = Duration::from_secs(600);
 
@@ -766,8 +774,10 @@ impl<H: Handler> Processor<H> {
                 }
                 first = rx.recv() => match first { Some(m) => m, None => break },
             };
+            let wait = batch_wait(age(&first.message), self.batch_wait);
             let mut batch = vec![first];
-            let deadline = tokio::time::Instant::now() + self.batch_wait;
+            // A record already here is taken even when the deadline has passed.
+            let deadline = tokio::time::Instant::now() + wait;
             while batch.len() < self.batch_max {
                 match tokio::time::timeout_at(deadline, rx.recv()).await {
                     Ok(Some(m)) => batch.push(m),

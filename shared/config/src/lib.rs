@@ -392,7 +392,8 @@ pub struct ConsumerConfig {
     )]
     pub batch_max: usize,
 
-    /// Longest wait for a batch to fill once its first record arrived, in milliseconds.
+    /// Longest wait for a batch to fill once its first record arrived, in milliseconds;
+    /// a batch waits only when that record is already this old (the consumer is behind).
     #[arg(
         id = "consumer_batch_wait_ms",
         long = "consumer-batch-wait-ms",

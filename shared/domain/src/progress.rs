@@ -1,6 +1,8 @@
 //! What a fenced consumer does with a batch of records of one partition, given the
 //! progress the database holds for that partition (docs/architecture.md, "The fenced consumer").
 
+use std::time::Duration;
+
 /// The database's view of one partition, read under a row lock in the batch's
 /// transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +66,22 @@ pub fn start_at(stored_next_offset: Option<i64>) -> StartAt {
     }
 }
 
+/// How long a batch waits for more records once its first one is here.
+///
+/// A batch is one transaction, so waiting lets several records share a commit, but
+/// it adds the wait to every record's way. The wait pays only when the consumer is
+/// behind: then the first record has already waited at least as long as the wait
+/// (`first_record_age`, from its timestamp to now), more are on their way, and the
+/// wait adds at most as much again as the record's queueing. A fresh record on a
+/// consumer that keeps up is applied at once, with whatever has already arrived.
+/// Without an age (no timestamp), the configured wait holds.
+pub fn batch_wait(first_record_age: Option<Duration>, configured: Duration) -> Duration {
+    match first_record_age {
+        Some(age) if age < configured => Duration::ZERO,
+        _ => configured,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -72,6 +90,17 @@ mod tests {
 
     fn stored(epoch: i64, next_offset: i64) -> StoredProgress {
         StoredProgress { epoch, next_offset }
+    }
+
+    #[test]
+    fn a_fresh_record_waits_for_nothing_and_one_that_queued_waits_for_company() {
+        let wait = Duration::from_millis(20);
+        assert_eq!(batch_wait(Some(Duration::from_millis(3)), wait), Duration::ZERO);
+        assert_eq!(batch_wait(Some(Duration::from_millis(19)), wait), Duration::ZERO);
+        assert_eq!(batch_wait(Some(Duration::from_millis(20)), wait), wait);
+        assert_eq!(batch_wait(Some(Duration::from_secs(2)), wait), wait);
+        assert_eq!(batch_wait(None, wait), wait, "without a timestamp the configured wait holds");
+        assert_eq!(batch_wait(Some(Duration::from_secs(2)), Duration::ZERO), Duration::ZERO);
     }
 
     #[test]

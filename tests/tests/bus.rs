@@ -792,3 +792,131 @@ async fn rows_appended_together_wait_for_an_open_writer_of_their_keys_and_keep_t
         "after the open writer, in the order given"
     );
 }
+
+/// Produces `event` as a relay would, stamped `age` in the past; returns its event id.
+async fn produce_aged(prefix: &str, event: &Event, age: Duration) -> uuid::Uuid {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let (payload, headers) = fenceline_events::encode_record(event, "aged-producer").expect("encode");
+    let event_id = headers.event_id.as_uuid();
+    let pairs = headers.to_pairs();
+    let key = event.task_id().expect("a status names its task").as_uuid().as_bytes().to_vec();
+    let stamped = std::time::SystemTime::now() - age;
+    let stamped_ms =
+        i64::try_from(stamped.duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis()).expect("ms");
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("producer");
+    let topic = topics::named(prefix, topics::STATUS);
+    let record = FutureRecord::to(&topic)
+        .key(&key)
+        .payload(&payload)
+        .timestamp(stamped_ms)
+        .headers(kafka_headers(pairs.iter().map(|(k, v)| (*k, v.as_str()))));
+    producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("produce");
+    event_id
+}
+
+/// The transactions that applied `events` in the probe projection, once all are applied.
+async fn applying_transactions(pool: &sqlx::PgPool, events: &[uuid::Uuid]) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let rows: Vec<(uuid::Uuid, String)> =
+            sqlx::query_as("SELECT event_id, xmin::text FROM probe_applied WHERE event_id = ANY($1)")
+                .bind(events)
+                .fetch_all(pool)
+                .await
+                .expect("applied");
+        if rows.len() == events.len() {
+            return events
+                .iter()
+                .map(|id| rows.iter().find(|(e, _)| e == id).map(|(_, xmin)| xmin.clone()).expect("applied"))
+                .collect();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "events applied: {} of {}", rows.len(), events.len());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The probe's projection on a task's way: its consumer applies fresh records at once.
+struct OnATasksWay;
+
+impl fenceline_bus::Handler for OnATasksWay {
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        outbox: &OutboxWriter,
+        record: &fenceline_bus::Inbound,
+    ) -> Result<(), fenceline_bus::HandleError> {
+        fenceline_bus::Handler::handle(&ProbeHandler, tx, outbox, record).await
+    }
+}
+
+/// A probe consumer over the status topic in its own group and schema, whose batches
+/// wait up to 5 s: far longer than anything else here takes, so that which batch a
+/// record lands in depends on the rule and not on the machine's speed.
+async fn slow_batching_consumer<H: fenceline_bus::Handler>(
+    url: &str,
+    prefix: &str,
+    name: &'static str,
+    handler: H,
+    shutdown: &CancellationToken,
+) -> (Database, fenceline_bus::ConsumerHandle) {
+    let db = schema(url, name).await;
+    let writer = OutboxWriter::new(name, prefix, outbox_config().shards);
+    start_relay(&format!("{name}-relay"), &db, &kafka(prefix), &writer, shutdown);
+    let config = fenceline_config::ConsumerConfig { batch_wait_ms: 5_000, ..consumer_config() };
+    let consumer = fenceline_bus::FencedConsumer::spawn(
+        fenceline_bus::ConsumerSpec {
+            group: fresh_group(),
+            topics: vec![topics::named(prefix, topics::STATUS)],
+            instance: name.into(),
+            drain_grace: Duration::from_secs(5),
+        },
+        &kafka(prefix),
+        &config,
+        db.pool.clone(),
+        writer,
+        handler,
+        shutdown.clone(),
+    )
+    .expect("consumer");
+    (db, consumer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_on_a_tasks_way_waits_for_a_batch_to_fill_only_when_it_is_behind() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let shutdown = CancellationToken::new();
+    let (on_the_way, _a) = slow_batching_consumer(&url, &prefix, "on_the_way", OnATasksWay, &shutdown).await;
+    let (off_the_way, _b) = slow_batching_consumer(&url, &prefix, "off_the_way", ProbeHandler, &shutdown).await;
+    let fresh_status = || status_event(TaskId::new_v7(), 1);
+    // Both consumers hold their partitions once a first record is applied.
+    let first = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
+    applying_transactions(&on_the_way.pool, &[first]).await;
+    applying_transactions(&off_the_way.pool, &[first]).await;
+
+    // A fresh record and another a second behind it.
+    let fresh = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let behind = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
+    let applied = applying_transactions(&on_the_way.pool, &[fresh, behind]).await;
+    assert_ne!(
+        applied[0], applied[1],
+        "on a task's way, a fresh record waited for the next one: one transaction applied both"
+    );
+    let applied = applying_transactions(&off_the_way.pool, &[fresh, behind]).await;
+    assert_eq!(applied[0], applied[1], "off a task's way, a batch did not wait to fill");
+
+    // A record that has already waited longer than the batch wait (its consumer is
+    // behind), and another a second behind it: it waits for company on either.
+    let queued = produce_aged(&prefix, &fresh_status(), Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let company = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
+    for db in [&on_the_way, &off_the_way] {
+        let applied = applying_transactions(&db.pool, &[queued, company]).await;
+        assert_eq!(applied[0], applied[1], "a record that had waited was applied without waiting for the next one");
+    }
+    shutdown.cancel();
+}

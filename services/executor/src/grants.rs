@@ -73,6 +73,11 @@ impl GrantRecorder {
 }
 
 impl Handler for GrantRecorder {
+    /// A granted task waits for its claim, which follows this consumer's batch.
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         match &record.envelope.event {
             Event::AttemptGranted(g) => {

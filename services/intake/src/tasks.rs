@@ -755,6 +755,11 @@ pub struct StatusProjection {
 }
 
 impl Handler for StatusProjection {
+    /// Clients poll this projection for their task's state.
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
         Ok(self.batch.flush(tx).await?)
     }

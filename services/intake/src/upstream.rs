@@ -90,6 +90,11 @@ impl UpstreamRequests {
 }
 
 impl Handler for UpstreamRequests {
+    /// A request on the upstream topic becomes a task here.
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         let Event::TaskRequest(request) = &record.envelope.event else {
             return Err(HandleError::Poison(format!("{} is not a TaskRequest", record.envelope.event.event_type())));

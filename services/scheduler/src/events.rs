@@ -202,6 +202,11 @@ fn progress(row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Inp
 }
 
 impl Handler for LifecycleEvents {
+    /// A submitted task waits for its grant, and an ended attempt for its next step.
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
         self.held.clear();
         Ok(self.statuses.flush(tx, outbox).await?)

@@ -174,6 +174,17 @@ pub trait Handler: Send + Sync + 'static {
         let _ = event;
         false
     }
+
+    /// Whether a task's way waits for what this consumer applies (the scheduler
+    /// hearing of a submission, the executor of a grant, intake of a status its
+    /// clients poll for). Such a consumer applies a fresh record at once, and waits
+    /// for a batch to fill only when it is behind
+    /// ([`fenceline_domain::progress::batch_wait`]); every other consumer always
+    /// waits the configured time, since fewer, larger batches cost less and nothing
+    /// waits for it. The default says no.
+    fn on_a_tasks_way(&self) -> bool {
+        false
+    }
 }
 
 /// What to do with a record that does not decode: hold it (retry later, with an
@@ -774,7 +785,10 @@ impl<H: Handler> Processor<H> {
                 }
                 first = rx.recv() => match first { Some(m) => m, None => break },
             };
-            let wait = batch_wait(age(&first.message), self.batch_wait);
+            let wait = match self.handler.on_a_tasks_way() {
+                true => batch_wait(age(&first.message), self.batch_wait),
+                false => self.batch_wait,
+            };
             let mut batch = vec![first];
             // A record already here is taken even when the deadline has passed.
             let deadline = tokio::time::Instant::now() + wait;

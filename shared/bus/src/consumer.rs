@@ -179,7 +179,7 @@ pub trait Handler: Send + Sync + 'static {
     /// hearing of a submission, the executor of a grant, intake of a status its
     /// clients poll for). Such a consumer applies a fresh record at once, and waits
     /// for a batch to fill only when it is behind
-    /// ([`fenceline_domain::progress::batch_wait`]); every other consumer always
+    /// ([`fenceline_domain::progress::batch_wait`], docs/bus.md item 2); every other consumer always
     /// waits the configured time, since fewer, larger batches cost less and nothing
     /// waits for it. The default says no.
     fn on_a_tasks_way(&self) -> bool {
@@ -785,10 +785,7 @@ impl<H: Handler> Processor<H> {
                 }
                 first = rx.recv() => match first { Some(m) => m, None => break },
             };
-            let wait = match self.handler.on_a_tasks_way() {
-                true => batch_wait(age(&first.message), self.batch_wait),
-                false => self.batch_wait,
-            };
+            let wait = batch_wait(self.handler.on_a_tasks_way(), age(&first.message), self.batch_wait);
             let mut batch = vec![first];
             // A record already here is taken even when the deadline has passed.
             let deadline = tokio::time::Instant::now() + wait;

@@ -69,15 +69,16 @@ pub fn start_at(stored_next_offset: Option<i64>) -> StartAt {
 /// How long a batch waits for more records once its first one is here.
 ///
 /// A batch is one transaction, so waiting lets several records share a commit, but
-/// it adds the wait to every record's way. The wait pays only when the consumer is
-/// behind: then the first record has already waited at least as long as the wait
+/// it adds the wait to every record's way. A consumer nothing waits for always
+/// waits. On a task's way the wait pays only when the consumer is behind: then the
+/// first record has already waited at least as long as the wait
 /// (`first_record_age`, from its timestamp to now), more are on their way, and the
 /// wait adds at most as much again as the record's queueing. A fresh record on a
 /// consumer that keeps up is applied at once, with whatever has already arrived.
 /// Without an age (no timestamp), the configured wait holds.
-pub fn batch_wait(first_record_age: Option<Duration>, configured: Duration) -> Duration {
+pub fn batch_wait(on_a_tasks_way: bool, first_record_age: Option<Duration>, configured: Duration) -> Duration {
     match first_record_age {
-        Some(age) if age < configured => Duration::ZERO,
+        Some(age) if on_a_tasks_way && age < configured => Duration::ZERO,
         _ => configured,
     }
 }
@@ -93,14 +94,22 @@ mod tests {
     }
 
     #[test]
-    fn a_fresh_record_waits_for_nothing_and_one_that_queued_waits_for_company() {
+    fn on_a_tasks_way_a_fresh_record_waits_for_nothing_and_one_that_queued_waits_for_company() {
         let wait = Duration::from_millis(20);
-        assert_eq!(batch_wait(Some(Duration::from_millis(3)), wait), Duration::ZERO);
-        assert_eq!(batch_wait(Some(Duration::from_millis(19)), wait), Duration::ZERO);
-        assert_eq!(batch_wait(Some(Duration::from_millis(20)), wait), wait);
-        assert_eq!(batch_wait(Some(Duration::from_secs(2)), wait), wait);
-        assert_eq!(batch_wait(None, wait), wait, "without a timestamp the configured wait holds");
-        assert_eq!(batch_wait(Some(Duration::from_secs(2)), Duration::ZERO), Duration::ZERO);
+        assert_eq!(batch_wait(true, Some(Duration::from_millis(3)), wait), Duration::ZERO);
+        assert_eq!(batch_wait(true, Some(Duration::from_millis(19)), wait), Duration::ZERO);
+        assert_eq!(batch_wait(true, Some(Duration::from_millis(20)), wait), wait);
+        assert_eq!(batch_wait(true, Some(Duration::from_secs(2)), wait), wait);
+        assert_eq!(batch_wait(true, None, wait), wait, "without a timestamp the configured wait holds");
+        assert_eq!(batch_wait(true, Some(Duration::from_secs(2)), Duration::ZERO), Duration::ZERO);
+    }
+
+    #[test]
+    fn off_a_tasks_way_every_batch_waits() {
+        let wait = Duration::from_millis(20);
+        assert_eq!(batch_wait(false, Some(Duration::from_millis(3)), wait), wait);
+        assert_eq!(batch_wait(false, Some(Duration::from_secs(2)), wait), wait);
+        assert_eq!(batch_wait(false, None, wait), wait);
     }
 
     #[test]

@@ -854,8 +854,8 @@ impl fenceline_bus::Handler for OnATasksWay {
 }
 
 /// A probe consumer over the status topic in its own group and schema, whose batches
-/// wait up to 5 s: far longer than anything else here takes, so that which batch a
-/// record lands in depends on the rule and not on the machine's speed.
+/// wait up to 5 s: with records 2 s apart, which batch a record lands in depends on
+/// the rule and not on the machine's speed.
 async fn slow_batching_consumer<H: fenceline_bus::Handler>(
     url: &str,
     prefix: &str,
@@ -897,9 +897,9 @@ async fn a_consumer_on_a_tasks_way_waits_for_a_batch_to_fill_only_when_it_is_beh
     applying_transactions(&on_the_way.pool, &[first]).await;
     applying_transactions(&off_the_way.pool, &[first]).await;
 
-    // A fresh record and another a second behind it.
+    // A fresh record and another two seconds behind it.
     let fresh = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let behind = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
     let applied = applying_transactions(&on_the_way.pool, &[fresh, behind]).await;
     assert_ne!(
@@ -910,9 +910,9 @@ async fn a_consumer_on_a_tasks_way_waits_for_a_batch_to_fill_only_when_it_is_beh
     assert_eq!(applied[0], applied[1], "off a task's way, a batch did not wait to fill");
 
     // A record that has already waited longer than the batch wait (its consumer is
-    // behind), and another a second behind it: it waits for company on either.
+    // behind), and another two seconds behind it: it waits for company on either.
     let queued = produce_aged(&prefix, &fresh_status(), Duration::from_secs(60)).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let company = produce_aged(&prefix, &fresh_status(), Duration::ZERO).await;
     for db in [&on_the_way, &off_the_way] {
         let applied = applying_transactions(&db.pool, &[queued, company]).await;

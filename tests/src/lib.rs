@@ -331,14 +331,26 @@ pub fn kafka_headers<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) ->
 
 /// Produces raw bytes to a topic, as a misbehaving upstream would.
 pub async fn produce_raw(brokers: &str, topic: &str, key: &[u8], value: &[u8], headers: &[(&str, &str)]) {
+    produce_stamped(brokers, topic, key, value, headers, None).await;
+}
+
+/// As [`produce_raw`], with the record's timestamp (milliseconds since the epoch)
+/// given instead of the producer's clock.
+pub async fn produce_stamped(
+    brokers: &str,
+    topic: &str,
+    key: &[u8],
+    value: &[u8],
+    headers: &[(&str, &str)],
+    timestamp_ms: Option<i64>,
+) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", brokers).create().expect("producer");
-    let headers = kafka_headers(headers.iter().copied());
-    producer
-        .send(FutureRecord::to(topic).key(key).payload(value).headers(headers), Duration::from_secs(10))
-        .await
-        .map_err(|(e, _)| e)
-        .expect("produce");
+    let mut record = FutureRecord::to(topic).key(key).payload(value).headers(kafka_headers(headers.iter().copied()));
+    if let Some(ms) = timestamp_ms {
+        record = record.timestamp(ms);
+    }
+    producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("produce");
 }
 
 /// The `event_id` header of a record.

@@ -795,23 +795,16 @@ async fn rows_appended_together_wait_for_an_open_writer_of_their_keys_and_keep_t
 
 /// Produces `event` as a relay would, stamped `age` in the past; returns its event id.
 async fn produce_aged(prefix: &str, event: &Event, age: Duration) -> uuid::Uuid {
-    use rdkafka::producer::{FutureProducer, FutureRecord};
     let (payload, headers) = fenceline_events::encode_record(event, "aged-producer").expect("encode");
-    let event_id = headers.event_id.as_uuid();
     let pairs = headers.to_pairs();
-    let key = event.task_id().expect("a status names its task").as_uuid().as_bytes().to_vec();
+    let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let key = event.task_id().expect("a status names its task").to_string();
     let stamped = std::time::SystemTime::now() - age;
     let stamped_ms =
         i64::try_from(stamped.duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis()).expect("ms");
-    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("producer");
     let topic = topics::named(prefix, topics::STATUS);
-    let record = FutureRecord::to(&topic)
-        .key(&key)
-        .payload(&payload)
-        .timestamp(stamped_ms)
-        .headers(kafka_headers(pairs.iter().map(|(k, v)| (*k, v.as_str()))));
-    producer.send(record, Duration::from_secs(10)).await.map_err(|(e, _)| e).expect("produce");
-    event_id
+    produce_stamped(&brokers(), &topic, key.as_bytes(), &payload, &pairs, Some(stamped_ms)).await;
+    headers.event_id.as_uuid()
 }
 
 /// The transactions that applied `events` in the probe projection, once all are applied.

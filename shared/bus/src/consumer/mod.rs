@@ -302,13 +302,12 @@ impl FencedConsumer {
     ) -> Result<ConsumerHandle, Error> {
         let stats = Arc::new(ConsumerStats::default());
         let owned: Ownership = Arc::default();
-        let in_flight = Arc::new(tokio::sync::Mutex::new(()));
         let context = FencedContext {
             runtime: Handle::current(),
-            pool: pool.clone(),
+            pool,
             spec: spec.clone(),
             owned: owned.clone(),
-            in_flight: in_flight.clone(),
+            in_flight: Arc::new(tokio::sync::Mutex::new(())),
             stats: stats.clone(),
             grace: spec.drain_grace,
             shutdown: shutdown.clone(),
@@ -339,18 +338,13 @@ impl FencedConsumer {
         };
         let processor = Processor {
             consumer,
-            pool,
             outbox,
             handler,
-            spec,
-            owned,
-            in_flight,
-            stats: stats.clone(),
             batch_max: config.batch_max.max(1),
             batch_wait: config.batch_wait(),
             dedup_retention_hours: config.dedup_retention_hours.max(1),
         };
-        let span = info_span!("consumer", group = %processor.spec.group);
+        let span = info_span!("consumer", group = %spec.group);
         let processor = tokio::spawn(processor.run(rx, shutdown).instrument(span));
         Ok(ConsumerHandle { stats, processor, poller })
     }

@@ -9,7 +9,7 @@ use fenceline_domain::progress::{BatchPlan, StoredProgress, batch_wait, plan_bat
 use fenceline_events::{Envelope, topics};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers as _, Message, OwnedMessage};
-use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{Connection, PgConnection, Postgres, Transaction};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
@@ -18,19 +18,14 @@ use crate::{OutboxWriter, fault};
 
 use super::dead_letters::{Rejected, undecodable};
 use super::rebalance::{FencedContext, lock};
-use super::{
-    ConsumerSpec, ConsumerStats, Fetched, HandleError, Handler, Inbound, Ownership, POISON_AFTER, forget_fenced_holding,
-};
+use super::{Fetched, HandleError, Handler, Inbound, POISON_AFTER, forget_fenced_holding};
 
 pub(super) struct Processor<H> {
+    /// The client, whose context holds the pool, the spec, the holdings, the
+    /// in-flight lock and the counters this processor shares with the callbacks.
     pub(super) consumer: Arc<BaseConsumer<FencedContext>>,
-    pub(super) pool: PgPool,
     pub(super) outbox: OutboxWriter,
     pub(super) handler: H,
-    pub(super) spec: ConsumerSpec,
-    pub(super) owned: Ownership,
-    pub(super) in_flight: Arc<tokio::sync::Mutex<()>>,
-    pub(super) stats: Arc<ConsumerStats>,
     pub(super) batch_max: usize,
     pub(super) batch_wait: Duration,
     pub(super) dedup_retention_hours: u32,
@@ -91,6 +86,11 @@ impl From<crate::faults::Injected> for BatchFailure {
 }
 
 impl<H: Handler> Processor<H> {
+    /// What the processor shares with the client's callbacks.
+    fn shared(&self) -> &FencedContext {
+        self.consumer.context()
+    }
+
     pub(super) async fn run(self, mut rx: mpsc::Receiver<Fetched>, shutdown: CancellationToken) {
         let mut purge = tokio::time::interval(DEDUP_PURGE_EVERY);
         loop {
@@ -112,7 +112,7 @@ impl<H: Handler> Processor<H> {
                     _ => break,
                 }
             }
-            let guard = self.in_flight.lock().await;
+            let guard = self.shared().in_flight.lock().await;
             self.handle_until_done(batch, &shutdown).await;
             drop(guard);
         }
@@ -127,9 +127,9 @@ impl<H: Handler> Processor<H> {
                 "DELETE FROM processed_events WHERE ctid IN (SELECT ctid FROM processed_events \
                  WHERE consumer_group = $1 AND processed_at < now() - make_interval(hours => $2) LIMIT 5000)",
             )
-            .bind(&self.spec.group)
+            .bind(&self.shared().spec.group)
             .bind(self.dedup_retention_hours as i32)
-            .execute(&self.pool)
+            .execute(&self.shared().pool)
             .await;
             match deleted {
                 Ok(result) if result.rows_affected() == 5000 => continue,
@@ -159,7 +159,7 @@ impl<H: Handler> Processor<H> {
         // batches refuse nothing, and a savepoint costs two round trips per event.
         let mut savepoints = false;
         loop {
-            let owned = lock(&self.owned).clone();
+            let owned = lock(&self.shared().owned).clone();
             // Only records fetched under the holding that is current now.
             let before = queue.len();
             queue.retain(|f| owned.get(&(f.message.topic().to_owned(), f.message.partition())) == Some(&f.epoch));
@@ -178,9 +178,9 @@ impl<H: Handler> Processor<H> {
                 Ok(applied) => {
                     self.outbox.committed();
                     self.handler.committed();
-                    self.stats.applied.fetch_add(applied.handled, Ordering::Relaxed);
+                    self.shared().stats.applied.fetch_add(applied.handled, Ordering::Relaxed);
                     {
-                        let mut next_offsets = lock(&self.stats.next_offsets);
+                        let mut next_offsets = lock(&self.shared().stats.next_offsets);
                         for (topic, partition, last) in &applied.progress {
                             next_offsets.insert((topic.clone(), *partition), last + 1);
                         }
@@ -190,7 +190,7 @@ impl<H: Handler> Processor<H> {
                             debug!(topic, partition, error = %e, "offset not stored (partition given up?)");
                         }
                     }
-                    self.stats.batches.fetch_add(1, Ordering::Relaxed);
+                    self.shared().stats.batches.fetch_add(1, Ordering::Relaxed);
                     queue.drain(..take);
                     (failures, condemned, backoff, savepoints) = (0, None, Duration::from_millis(50), false);
                 }
@@ -243,7 +243,7 @@ impl<H: Handler> Processor<H> {
         }
         // Whatever a failed try of a batch left gathered never committed.
         self.handler.discard();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.shared().pool.begin().await?;
         let mut applied = Applied::default();
         for ((topic, partition), messages) in by_partition {
             let Some(&my_epoch) = owned.get(&(topic.clone(), partition)) else { continue };
@@ -251,7 +251,7 @@ impl<H: Handler> Processor<H> {
                 "SELECT epoch, next_offset FROM consumer_partitions \
                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR UPDATE",
             )
-            .bind(&self.spec.group)
+            .bind(&self.shared().spec.group)
             .bind(&topic)
             .bind(partition)
             .fetch_optional(&mut *tx)
@@ -264,7 +264,7 @@ impl<H: Handler> Processor<H> {
             let offsets: Vec<i64> = messages.iter().map(|m| m.offset()).collect();
             match plan_batch(stored, my_epoch, &offsets) {
                 BatchPlan::Fenced { mine, current } => {
-                    self.stats.fenced_batches.fetch_add(1, Ordering::Relaxed);
+                    self.shared().stats.fenced_batches.fetch_add(1, Ordering::Relaxed);
                     warn!(
                         topic,
                         partition,
@@ -272,10 +272,10 @@ impl<H: Handler> Processor<H> {
                         current_epoch = current,
                         "write rejected: partition fenced, another instance took it over; dropping its records"
                     );
-                    forget_fenced_holding(&mut lock(&self.owned), (topic.clone(), partition), mine);
+                    forget_fenced_holding(&mut lock(&self.shared().owned), (topic.clone(), partition), mine);
                 }
                 BatchPlan::Apply { apply, redelivered, next_offset } => {
-                    self.stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);
+                    self.shared().stats.redelivered.fetch_add(redelivered as u64, Ordering::Relaxed);
                     if redelivered > 0 {
                         info!(topic, partition, redelivered, "records redelivered after a restart skipped by offset");
                     }
@@ -287,7 +287,7 @@ impl<H: Handler> Processor<H> {
                             "UPDATE consumer_partitions SET next_offset = $5, updated_at = now() \
                              WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND epoch = $4",
                         )
-                        .bind(&self.spec.group)
+                        .bind(&self.shared().spec.group)
                         .bind(&topic)
                         .bind(partition)
                         .bind(my_epoch)
@@ -333,7 +333,7 @@ impl<H: Handler> Processor<H> {
             if message.payload().is_none() && topics::is_compacted(topic) {
                 // A tombstone: the key's task was purged upstream (docs/wire.md,
                 // "Tombstones on fenceline.status"). Nothing to apply, nothing to reject.
-                self.stats.tombstones.fetch_add(1, Ordering::Relaxed);
+                self.shared().stats.tombstones.fetch_add(1, Ordering::Relaxed);
                 debug!(topic, partition, offset = message.offset(), "tombstone skipped");
                 continue;
             }
@@ -375,7 +375,7 @@ impl<H: Handler> Processor<H> {
                 "INSERT INTO processed_events (consumer_group, event_id) SELECT $1, unnest($2::uuid[]) \
                  ON CONFLICT DO NOTHING RETURNING event_id",
             )
-            .bind(&self.spec.group)
+            .bind(&self.shared().spec.group)
             .bind(&ids)
             .fetch_all(&mut **tx)
             .await?
@@ -387,7 +387,7 @@ impl<H: Handler> Processor<H> {
         for ((message, envelope), remember) in decoded.into_iter().zip(remembered) {
             let id = envelope.headers.event_id.as_uuid();
             if (remember && !fresh.contains(&id)) || !seen.insert(id) {
-                self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                self.shared().stats.duplicates.fetch_add(1, Ordering::Relaxed);
                 info!(topic, partition, event_id = %id, "duplicate event skipped: applied before");
                 continue;
             }
@@ -477,7 +477,7 @@ impl<H: Handler> Processor<H> {
         let headers =
             message.headers().map(|h| h.iter().map(|header| (header.key, header.value)).collect()).unwrap_or_default();
         let rejected = Rejected {
-            consumer_group: &self.spec.group,
+            consumer_group: &self.shared().spec.group,
             topic: message.topic(),
             partition: message.partition(),
             offset: message.offset(),
@@ -487,7 +487,7 @@ impl<H: Handler> Processor<H> {
             headers,
         };
         self.handler.reject(tx, &self.outbox, &rejected).await?;
-        self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        self.shared().stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }

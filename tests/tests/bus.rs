@@ -303,6 +303,21 @@ async fn a_record_whose_change_the_database_always_refuses_is_dead_lettered_and_
         panic!("the original is the status event");
     };
     assert_eq!(refused.version, 5_000_000);
+
+    // Its cause fixed, the letter is replayed as the operations guide says, and the
+    // consumer applies it: a dead-lettered event's id is not kept as applied.
+    sqlx::query("ALTER TABLE probe_applied DROP CONSTRAINT sane_version")
+        .execute(&consumer_db.pool)
+        .await
+        .expect("constraint");
+    let original = String::from_utf8(letters[0].key().expect("key").to_vec()).expect("key");
+    let choice = fenceline_bus::replay::Choice { originals: vec![original.clone()], consumer: None };
+    let replayed = fenceline_bus::replay::replay_dead_letters(&kafka(&prefix), &choice).await.expect("replay");
+    assert!(
+        matches!(replayed.as_slice(), [fenceline_bus::replay::Replayed::Sent { original: o, .. }] if *o == original),
+        "{replayed:?}"
+    );
+    assert_eq!(wait_applied(&consumer_db.pool, 10, Duration::from_secs(60)).await, (10, 0), "the replay applied");
     shutdown.cancel();
     consumer.join().await;
 }

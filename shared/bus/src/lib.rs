@@ -7,6 +7,7 @@ pub mod faults;
 pub mod gathered;
 pub mod kafka;
 pub mod outbox;
+pub mod replay;
 
 pub use consumer::{
     ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,
@@ -28,6 +29,8 @@ pub enum Error {
     Encode(#[from] fenceline_events::EncodeError),
     #[error("creating topic {topic}: {reason}")]
     CreateTopic { topic: String, reason: String },
+    #[error("reading {topic}: {reason}")]
+    Read { topic: String, reason: String },
     #[error(transparent)]
     Injected(#[from] faults::Injected),
 }

@@ -415,6 +415,9 @@ fn refused_for_good(code: Option<RDKafkaErrorCode>) -> bool {
 /// size and sha256 in the reason, so a dead letter always fits where its original did not.
 pub const DEAD_LETTER_ORIGINAL_MAX: usize = 64 * 1024;
 
+/// What a dead letter's reason says when its original value was cut.
+pub const CUT_MARK: &str = "original value cut";
+
 /// `original` cut to [`DEAD_LETTER_ORIGINAL_MAX`], and what the reason must add when it was cut.
 pub fn bounded_original(original: &[u8]) -> (Vec<u8>, Option<String>) {
     if original.len() <= DEAD_LETTER_ORIGINAL_MAX {
@@ -422,10 +425,8 @@ pub fn bounded_original(original: &[u8]) -> (Vec<u8>, Option<String>) {
     }
     use sha2::Digest as _;
     let digest = hex::encode(sha2::Sha256::digest(original));
-    let note = format!(
-        "; original value cut to its first {DEAD_LETTER_ORIGINAL_MAX} of {} bytes, sha256 {digest}",
-        original.len()
-    );
+    let note =
+        format!("; {CUT_MARK} to its first {DEAD_LETTER_ORIGINAL_MAX} of {} bytes, sha256 {digest}", original.len());
     (original[..DEAD_LETTER_ORIGINAL_MAX].to_vec(), Some(note))
 }
 

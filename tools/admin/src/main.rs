@@ -32,6 +32,21 @@ enum Command {
         #[arg(long, default_value_t = 60)]
         timeout_s: u64,
     },
+    /// Produces dead letters again to the topics they came from, with their original
+    /// key, value and headers, once their cause is fixed: the consumer applies them
+    /// as it would have (docs/operations.md, "Dead letters").
+    ReplayDeadLetters {
+        /// The original record, as `topic/partition/offset` (the dead letter's key and
+        /// the "record rejected" log line name it); repeat for several.
+        #[arg(long = "original", required_unless_present = "all")]
+        originals: Vec<String>,
+        /// Every dead letter on the topic (of `--consumer`, when given).
+        #[arg(long, conflicts_with = "originals")]
+        all: bool,
+        /// Only letters of this consumer group (for example `fenceline-scheduler`).
+        #[arg(long)]
+        consumer: Option<String>,
+    },
 }
 
 #[tokio::main]
@@ -50,6 +65,39 @@ async fn main() -> anyhow::Result<()> {
         Command::WaitReady { timeout_s } => {
             fenceline_bus::kafka::check_connection(&cli.kafka, std::time::Duration::from_secs(timeout_s)).await?;
         }
+        Command::ReplayDeadLetters { originals, all: _, consumer } => {
+            let choice = fenceline_bus::replay::Choice { originals: originals.clone(), consumer };
+            let done = fenceline_bus::replay::replay_dead_letters(&cli.kafka, &choice).await?;
+            if !report(&done, &originals) {
+                std::process::exit(1);
+            }
+        }
     }
     Ok(())
+}
+
+/// Prints what became of each chosen dead letter; whether every one was replayed.
+#[allow(clippy::print_stdout)] // the report is the command's output
+fn report(done: &[fenceline_bus::replay::Replayed], wanted: &[String]) -> bool {
+    use fenceline_bus::replay::Replayed;
+    let mut incomplete = 0;
+    for replayed in done {
+        match replayed {
+            Replayed::Sent { original, reason } => println!("replayed {original} (was: {reason})"),
+            Replayed::Incomplete { original } => {
+                incomplete += 1;
+                println!("not replayed {original}: the letter holds only the start of the original");
+            }
+        }
+    }
+    let found = |o: &String| {
+        done.iter()
+            .any(|r| matches!(r, Replayed::Sent { original, .. } | Replayed::Incomplete { original } if original == o))
+    };
+    let missing: Vec<&String> = wanted.iter().filter(|o| !found(o)).collect();
+    for original in &missing {
+        println!("no dead letter for {original}");
+    }
+    println!("{} replayed, {incomplete} not replayable, {} not found", done.len() - incomplete, missing.len());
+    incomplete == 0 && missing.is_empty()
 }

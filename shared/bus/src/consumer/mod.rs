@@ -81,26 +81,37 @@ impl HandleError {
     fn refusal_of_the_record(&self) -> Option<String> {
         let HandleError::Transient(sqlx::Error::Database(db)) = self else { return None };
         let code = db.code()?;
-        (code.starts_with("22") || code.starts_with("23"))
+        blames_the_data(&code)
             .then(|| format!("the database refused the change this record asks for (SQLSTATE {code}): {db}"))
     }
 
-    /// Whether a retry may succeed without anything about the record changing: the
-    /// connection, a pool timeout, a serialisation failure or deadlock, a server
-    /// short of resources or being shut down. Anything else that fails again and
-    /// again is blamed on the record (after [`POISON_AFTER`] tries).
+    /// Whether a retry may succeed without anything about the record changing.
+    /// Every database condition is passing except the two that blame the record's
+    /// own data (SQLSTATE classes 22 and 23): a read-only or demoted server (25),
+    /// a deadlock or serialisation failure (40), an administrator's shutdown (57),
+    /// a lost connection (08), a server short of resources (53), a lock or a
+    /// privilege (55, 42) say nothing about the record, whether the handler met
+    /// them or the outbox append inside it did. Anything that is not passing and
+    /// fails again and again is blamed on the record (after [`POISON_AFTER`] tries).
     fn passing(&self) -> bool {
-        match self {
-            HandleError::Transient(sqlx::Error::Database(db)) => {
-                db.code().is_some_and(|c| ["08", "40", "53", "55", "57", "58"].iter().any(|class| c.starts_with(class)))
+        let database = match self {
+            HandleError::Transient(e) | HandleError::Bus(Error::Database(e)) => e,
+            HandleError::Held(_) | HandleError::Bus(Error::Kafka(_)) | HandleError::Bus(Error::Injected(_)) => {
+                return true;
             }
-            HandleError::Transient(_) | HandleError::Held(_) => true,
-            HandleError::Bus(Error::Database(sqlx::Error::Database(_))) => false,
-            HandleError::Bus(Error::Database(_)) | HandleError::Bus(Error::Kafka(_)) => true,
-            HandleError::Bus(Error::Injected(_)) => true,
-            HandleError::Bus(_) | HandleError::Poison(_) => false,
+            HandleError::Bus(_) | HandleError::Poison(_) => return false,
+        };
+        match database {
+            sqlx::Error::Database(db) => !db.code().is_some_and(|c| blames_the_data(&c)),
+            _ => true,
         }
     }
+}
+
+/// Whether a SQLSTATE blames the data a statement carried: a data exception (22)
+/// or an integrity constraint (23). The same record meets it on every try.
+fn blames_the_data(code: &str) -> bool {
+    code.starts_with("22") || code.starts_with("23")
 }
 
 /// How often a batch may fail for a reason that is not passing before its records

@@ -412,11 +412,8 @@ impl<H: Handler> Processor<H> {
                 span.record("task_id", tracing::field::display(task_id));
             }
             fenceline_telemetry::continue_trace(&span, inbound.envelope.headers.traceparent.as_deref());
-            if let Some(condemned) = condemned.filter(|c| c.at == (topic.to_owned(), partition, inbound.offset)) {
-                self.dead_letter(tx, message, &condemned.reason).await?;
-                continue;
-            }
-            if !savepoints {
+            let condemned_here = condemned.filter(|c| c.at == (topic.to_owned(), partition, inbound.offset));
+            if !savepoints && condemned_here.is_none() {
                 match self.handler.handle(tx, &self.outbox, &inbound).instrument(span.clone()).await {
                     Ok(()) => {
                         handled += 1;
@@ -436,29 +433,46 @@ impl<H: Handler> Processor<H> {
                     Ok(()) => self.handler.flush(&mut savepoint, &self.outbox).await,
                     Err(e) => Err(e),
                 };
-            match handled_here {
+            // A record condemned for failing alone is tried once more before it is
+            // dead-lettered: the condition that failed it may have passed (a database
+            // that refused writes for a while), and then it applies as any other.
+            let refused = match handled_here {
                 Ok(()) => {
                     savepoint.commit().await?;
                     handled += 1;
                     // With the span's task and trace: at debug, a line per event.
                     span.in_scope(|| debug!("event handled; it commits with its batch"));
-                }
-                Err(HandleError::Poison(reason)) => {
-                    savepoint.rollback().await?;
-                    self.handler.discard();
-                    self.dead_letter(tx, message, &reason).await?;
-                }
-                Err(other) => match other.refusal_of_the_record() {
-                    Some(reason) => {
-                        savepoint.rollback().await?;
-                        self.handler.discard();
-                        self.dead_letter(tx, message, &reason).await?;
+                    if condemned_here.is_some() {
+                        info!(topic, partition, offset = message.offset(), "a record that had failed alone applied");
                     }
-                    None => return Err(other.into()),
+                    continue;
+                }
+                Err(HandleError::Poison(reason)) => reason,
+                Err(other) => match (other.refusal_of_the_record(), condemned_here) {
+                    (Some(reason), _) => reason,
+                    (None, Some(condemned)) if !other.passing() => format!("{}; then: {other}", condemned.reason),
+                    (None, _) => return Err(other.into()),
                 },
+            };
+            savepoint.rollback().await?;
+            self.handler.discard();
+            self.dead_letter(tx, message, &refused).await?;
+            if remember {
+                // A dead letter must apply when it is replayed: its id is not kept as applied.
+                self.forget(tx, id).await?;
             }
         }
         Ok(handled)
+    }
+
+    /// Forgets that the event `id` was applied, in the batch's transaction.
+    async fn forget(&self, tx: &mut PgConnection, id: uuid::Uuid) -> Result<(), sqlx::Error> {
+        sqlx::query("DELETE FROM processed_events WHERE consumer_group = $1 AND event_id = $2")
+            .bind(&self.shared().spec.group)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
     }
 
     async fn dead_letter(

@@ -528,6 +528,42 @@ async fn a_retry_as_new_at_a_provider_that_dedupes_resends_the_key_in_doubt_and_
     assert_eq!(system.provider("img").charges().await, 1, "paid once");
 }
 
+/// A second `retry_as_new` follows the key actually in doubt through every
+/// generation: the first retry sent the earlier key again (and met a 403), so the
+/// key its own generation would have made never left; the second retry sends the
+/// first key once more and is answered from the provider's memory of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_retry_as_new_at_a_provider_that_dedupes_sends_the_key_in_doubt_again_and_pays_once() {
+    let mut system = System::new(&[("img", Caps { idempotency_keys: true, ..Caps::default() })]).await;
+    let img = system.provider("img");
+    img.rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    img.rule(json!({"status": 403, "times": 2})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "image.generate", json!({"prompt": "a shoe retried twice"})).await;
+    for round in 0..2 {
+        let settled = ["needs_human", "outcome_unknown", "succeeded", "failed"];
+        system.wait_state(task, &settled, LONG).await;
+        let (state, reason) = system.state(task).await.expect("task");
+        assert_eq!(state, "needs_human", "round {round}: the 403 asks for a person: {reason:?}");
+        a_person_retries_as_new(&system, task).await;
+        // The decision is carried out (one more call) before the task is judged again.
+        let deadline = tokio::time::Instant::now() + LONG;
+        while system.provider("img").calls().await.len() < 3 + round {
+            assert!(tokio::time::Instant::now() < deadline, "the resolution was not carried out:\n{}", system.logs());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    system.wait_state(task, &["succeeded"], LONG).await;
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let log: Vec<(String, String)> =
+        system.provider("img").calls().await.iter().map(|c| (text(&c["operation_key"]), text(&c["outcome"]))).collect();
+    let outcomes: Vec<&str> = log.iter().map(|(_, outcome)| outcome.as_str()).collect();
+    assert_eq!(outcomes, ["status_after_work:504", "status:403", "status:403", "replayed"], "the calls: {log:?}");
+    assert!(log.iter().all(|(key, _)| *key == log[0].0), "every call carries the key in doubt: {log:?}");
+    assert_eq!(system.provider("img").charges().await, 1, "paid once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_a_stale_worker_verified_after_a_takeover_recovers_its_outcome_unknown_case_without_a_second_charge() {
     let mut system = System::new(&[("img", Caps::default())]).await;

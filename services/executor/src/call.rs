@@ -83,10 +83,6 @@ impl Workers {
             "the task's deadline passed before step `{}` could call `{provider_name}`; nothing was sent",
             step.name
         );
-        if ends.deadline.is_some_and(|d| Instant::now() >= d) {
-            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
-            return Ok(None);
-        }
         // A new generation's first call of the step in doubt: a provider that can be
         // asked is asked about the earlier key, and one that dedupes is sent it again.
         let capabilities = provider.capabilities();
@@ -119,6 +115,13 @@ impl Workers {
             let generation = u32::try_from(lease.generation).unwrap_or_default();
             (operation_key(lease.task_id, &step.name, generation, u32::try_from(seq).unwrap_or_default()), seq)
         });
+        // No new paid call starts after the deadline. A key an earlier call sent
+        // is no new call: sent again, a provider that dedupes answers from its
+        // memory of the work that call may have done.
+        if self.past_deadline_for(lease, ends, &key).await? {
+            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
+            return Ok(None);
+        }
         let intent = Event::CallIntentRecorded(CallIntentRecorded {
             task_id: lease.task_id,
             attempt: lease.attempt,
@@ -127,12 +130,13 @@ impl Workers {
             provider: provider_name.to_owned(),
             recorded_at: crate::clock::now(),
         });
-        let intended =
-            self.record(lease, Transition::to(Phase::CallIntent).call(&key, None).renewing(), &[intent]).await?;
+        let intended = self
+            .record(lease, Transition::to(Phase::CallIntent).step(&step.name).call(&key, None).renewing(), &[intent])
+            .await?;
         fault!("executor.after_call_intent");
         // Nothing has left yet. If the call may not start, say so with a fenced
         // write, so that no one has to wonder whether a call was made.
-        if ends.deadline.is_some_and(|d| Instant::now() >= d) {
+        if self.past_deadline_for(lease, ends, &key).await? {
             self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
             return Ok(None);
         }
@@ -186,29 +190,41 @@ impl Workers {
         };
         info!(task_id = %lease.task_id, step = earlier.step, "the provider received the operation in doubt after all; \
             following it instead of paying again");
+        // The call this attempt follows is the earlier one: its intent names that key,
+        // so that a loss from here on opens a case on the key in doubt (and a later
+        // generation follows the same key), with this step's provider.
+        let intent = Event::CallIntentRecorded(CallIntentRecorded {
+            task_id: lease.task_id,
+            attempt: lease.attempt,
+            step: earlier.step.to_owned(),
+            operation_key: earlier.key.to_owned(),
+            provider: earlier.provider.name().to_owned(),
+            recorded_at: crate::clock::now(),
+        });
+        let following = Transition::to(Phase::CallIntent).step(earlier.step).call(earlier.key, None);
+        self.record(lease, following, &[intent]).await?;
         self.follow(lease, earlier, input.clone(), answer).await.map(Some)
     }
 
     /// The operation key of the call in doubt that a person's `retry_as_new` answers,
-    /// with its `seq`: the latest earlier generation's key of `step`, when this is a
-    /// new generation's first call of the step (`seq` 0). `None` otherwise.
+    /// with its `seq`: the key the latest earlier generation that sent one actually
+    /// sent for `step` (which may be a still earlier generation's key that it sent
+    /// again or followed), when this is a new generation's first call of the step
+    /// (`seq` 0). `None` otherwise.
     async fn key_of_the_doubt(&self, lease: &Lease, step: &str, seq: i32) -> Result<Option<(String, i32)>, Stop> {
         if lease.generation == 0 || seq != 0 {
             return Ok(None);
         }
-        let earlier: Option<(i32, i32)> = sqlx::query_as(
-            "SELECT generation, seq FROM call_sequences WHERE task_id = $1 AND step = $2 AND generation < $3 \
-             ORDER BY generation DESC LIMIT 1",
+        let earlier: Option<(String, i32)> = sqlx::query_as(
+            "SELECT sent_key, seq FROM call_sequences WHERE task_id = $1 AND step = $2 AND generation < $3 \
+             AND sent_key IS NOT NULL ORDER BY generation DESC LIMIT 1",
         )
         .bind(lease.task_id.as_uuid())
         .bind(step)
         .bind(lease.generation)
         .fetch_optional(&self.pool)
         .await?;
-        let to_u32 = |n: i32| u32::try_from(n).unwrap_or_default();
-        Ok(earlier.map(|(generation, earlier_seq)| {
-            (operation_key(lease.task_id, step, to_u32(generation), to_u32(earlier_seq)), earlier_seq)
-        }))
+        Ok(earlier)
     }
 
     /// Follows an answer to the end of the call: polls what was accepted, waits
@@ -369,6 +385,23 @@ impl Workers {
         }
         fault!("executor.after_result_recorded");
         Ok(Some(artifact))
+    }
+
+    /// Whether the task's deadline has passed for a call with `key`: never for a
+    /// key another attempt of the task sent already (a resend is not a new call).
+    async fn past_deadline_for(&self, lease: &Lease, ends: Ends, key: &str) -> Result<bool, Stop> {
+        if ends.deadline.is_none_or(|d| Instant::now() < d) {
+            return Ok(false);
+        }
+        let sent_before: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM executions WHERE task_id = $1 AND operation_key = $2 AND grant_id <> $3)",
+        )
+        .bind(lease.task_id.as_uuid())
+        .bind(key)
+        .bind(lease.grant_id.as_uuid())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(!sent_before)
     }
 
     /// Renews the lease and answers whether it surely holds for `window` more (with

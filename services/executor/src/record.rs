@@ -407,6 +407,14 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
         }
         None => "",
     };
+    // A call intent names the key this generation's call of the step sends.
+    let sent = if t.phase == Phase::CallIntent && t.call.is_some() && t.step.is_some() {
+        ", sent AS ( \
+         UPDATE call_sequences SET sent_key = $7 FROM written \
+         WHERE call_sequences.task_id = $11 AND call_sequences.generation = $12 AND call_sequences.step = $5)"
+    } else {
+        ""
+    };
     let outbox = fenceline_bus::OutboxRow::rows_inserted_after("written", 18, events);
     let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
     format!(
@@ -414,12 +422,12 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
          written AS ( \
              UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
                  step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
-                 provider_request_id = COALESCE($8, provider_request_id), \
+                 provider_request_id = CASE WHEN $4 = 'call_intent' THEN $8 ELSE COALESCE($8, provider_request_id) END, \
                  lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
              FROM clock \
              WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND {STILL_RUNNING} \
              RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
-         {sequence}{checkpoint}{outbox} \
+         {sequence}{checkpoint}{sent}{outbox} \
          SELECT written.cancel_requested, written.granted_us, {seq} FROM written"
     )
 }

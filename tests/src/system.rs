@@ -196,6 +196,12 @@ impl FakeProvider {
         let (status, _) = http("POST", format!("{}/admin/rules", self.base), Some(rule)).await.expect("rule");
         assert!((200..300).contains(&status), "rule refused: {status}");
     }
+
+    /// Forgets every scripted misbehaviour: the provider behaves again.
+    pub async fn reset_rules(&self) {
+        let (status, _) = http("DELETE", format!("{}/admin/rules", self.base), None).await.expect("rules");
+        assert!((200..300).contains(&status), "rules not cleared: {status}");
+    }
 }
 
 /// What a test's providers can do.

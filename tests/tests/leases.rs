@@ -106,6 +106,40 @@ async fn a_scheduler_whose_clock_is_minutes_ahead_counts_the_live_slots_of_the_o
     );
 }
 
+/// A scheduler whose host clock runs two minutes ahead judges deadlines and start
+/// times by the database's clock: a task due in a minute is not failed as past its
+/// deadline, and a task that may not start for another eight seconds does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_whose_clock_is_minutes_ahead_neither_fails_a_task_early_nor_starts_one_early() {
+    let mut system = System::new(&[("img", Caps::default())]).await;
+    let skew = [("FENCELINE_SCHEDULER_CLOCK_SKEW_MS", "120000".to_owned())];
+    system.spawn("scheduler", "scheduler", &skew).await;
+    system.spawn("reconciler", "reconciler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let in_a_minute = Timestamp(Timestamp::now().0 + 60_000_000);
+    let due = system
+        .submit_with("acme", "image.generate", json!({"prompt": "due in a minute"}), |t| t.deadline = Some(in_a_minute))
+        .await;
+    let state = system.wait_state(due, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    assert_eq!(state, "succeeded", "{:?}", system.state(due).await);
+
+    let not_before = Timestamp(Timestamp::now().0 + 8_000_000);
+    let later = system
+        .submit_with("acme", "image.generate", json!({"prompt": "not before eight seconds"}), |t| {
+            t.not_before = Some(not_before)
+        })
+        .await;
+    let state = system.wait_state(later, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    assert_eq!(state, "succeeded", "{:?}", system.state(later).await);
+    let received = system.provider("img").received_at_us().await;
+    assert_eq!(received.len(), 2, "one call per task");
+    assert!(
+        received[1] >= not_before.0,
+        "the second call left {} µs before its start time",
+        not_before.0 - received[1]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_claimed_after_its_tasks_deadline_makes_no_call_and_fails_saying_so() {
     let mut system = System::new(&[("img", Caps::default())]).await;

@@ -133,6 +133,9 @@ pub enum Target {
     Poll,
     /// `GET /artifacts/{request_id}`, matched likewise.
     Artifact,
+    /// `GET /v1/operations?operation_key=K`, matched by the key asked about (and the
+    /// operation's name when the provider has it).
+    Lookup,
 }
 
 /// Where a finished operation's artifact is served from.
@@ -660,12 +663,21 @@ struct KeyQuery {
 }
 
 async fn lookup(req: HttpRequest, shared: web::Data<Shared>, query: web::Query<KeyQuery>) -> HttpResponse {
-    let state = shared.lock();
-    if !state.capabilities.lookup {
+    let Some(key) = query.operation_key.clone() else { return problem(400, "operation_key is required") };
+    let (lookup, operation) = {
+        let state = shared.lock();
+        let operation = state.by_key.get(&key).and_then(|id| state.operations.get(id)).map(|op| op.operation.clone());
+        (state.capabilities.lookup, operation)
+    };
+    if !lookup {
         return problem(501, "this provider cannot look operations up");
     }
-    let Some(key) = &query.operation_key else { return problem(400, "operation_key is required") };
-    match state.by_key.get(key).and_then(|id| state.operations.get(id)) {
+    let rule = shared.take_rule(Target::Lookup, operation.as_deref().unwrap_or_default(), Some(&key), |_, _| true);
+    if let Some(response) = misbehave(&rule, "connection reset while looking up").await {
+        return response;
+    }
+    let state = shared.lock();
+    match state.by_key.get(&key).and_then(|id| state.operations.get(id)) {
         Some(op) => HttpResponse::Ok().json(answer(&req, &shared, op, !op.running())),
         None => HttpResponse::NotFound().json(serde_json::json!({"status": "unknown", "operation_key": key})),
     }

@@ -88,8 +88,9 @@ pub fn verify(
     let event_id = EventId::parse(event_id.ok_or(SignatureError::Missing(headers::EVENT_ID))?.trim())?;
     let signature = signature.ok_or(SignatureError::Missing(headers::SIGNATURE))?;
     let sent: i64 = timestamp.parse().map_err(|_| SignatureError::BadTimestamp)?;
-    let skew = now_s - sent;
-    if skew.abs() > tolerance_s {
+    // Saturating: a timestamp at the ends of the range is stale, not an overflow.
+    let skew = now_s.saturating_sub(sent);
+    if skew.saturating_abs() > tolerance_s {
         return Err(SignatureError::Stale(skew));
     }
     let parts: Vec<&str> = signature.split(',').map(str::trim).collect();
@@ -432,6 +433,15 @@ mod tests {
         );
         for bad in ["", "a.b", "with space", &"e".repeat(EVENT_ID_MAX + 1)] {
             assert_eq!(EventId::parse(bad), Err(SignatureError::BadEventId), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_timestamp_at_the_ends_of_the_range_is_stale_not_an_overflow() {
+        let sig = sign(b"new-secret", NOW, &id("e"), b"{}");
+        for sent in [i64::MIN, i64::MAX] {
+            let refused = verify(&secrets(), Some(&sent.to_string()), Some("e"), Some(&sig), b"{}", NOW, 300);
+            assert!(matches!(refused, Err(SignatureError::Stale(_))), "{sent}: {refused:?}");
         }
     }
 

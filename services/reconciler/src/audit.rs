@@ -128,7 +128,7 @@ pub async fn purge_finished(pool: &PgPool, retention: Duration, batch: i64) -> R
         .bind(batch)
         .fetch_all(&mut *tx)
         .await?;
-        for table in ["grants", "calls", "cases", "fenced_results", "audit_findings", "task_states"] {
+        for table in ["grants", "calls", "cases", "fenced_results", "early_losses", "audit_findings", "task_states"] {
             sqlx::query(&format!("DELETE FROM {table} WHERE task_id = ANY($1)")).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;

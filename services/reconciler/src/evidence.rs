@@ -14,7 +14,7 @@ use fenceline_domain::calls::{AfterLookup, Backoff, LookupAnswer, after_lookup};
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::RecoveryDecision;
 use fenceline_events::{ArtifactRef, AttemptGranted, Event, Evidence, Timestamp, topics};
-use fenceline_providers::{HttpProvider, Lookup, VerifyError};
+use fenceline_providers::{CallAnswer, HttpProvider, Lookup, VerifyError};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -45,9 +45,16 @@ struct AskRow {
     step: Option<String>,
     provider: Option<String>,
     operation_key: Option<String>,
+    /// The request id the provider named when it accepted the call, if it did.
+    provider_request_id: Option<String>,
+    /// Whether any answer showed the provider received the call.
+    received: bool,
     asked: i32,
     ask_until_us: i64,
     never_received_counts_from_us: i64,
+    /// The database's clock when the case was claimed: every window of a case is
+    /// set and judged by it, whichever host asks.
+    now_us: i64,
     /// The trace of the task, as the event that opened the case carried it.
     traceparent: Option<String>,
 }
@@ -96,18 +103,30 @@ impl Reconciler {
     /// [`LOOKUPS_PER_PROVIDER`] at a time per provider. A case whose look-up is cut
     /// short by shutdown keeps its claim, which lapses after 30 s: it is asked again.
     async fn ask_loop(self, shutdown: CancellationToken) {
-        let mut asking: tokio::task::JoinSet<String> = tokio::task::JoinSet::new();
+        let mut asking: tokio::task::JoinSet<()> = tokio::task::JoinSet::new();
+        // Which provider each look-up in flight counts against, by its task's id, so
+        // that a look-up that panicked gives its turn back as one that returned does.
+        let mut of_task: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut busy: HashMap<String, usize> = HashMap::new();
-        let release = |busy: &mut HashMap<String, usize>, done: Result<String, tokio::task::JoinError>| {
-            if let Ok(provider) = done
+        let release = |busy: &mut HashMap<String, usize>,
+                       of_task: &mut HashMap<tokio::task::Id, String>,
+                       done: Result<(tokio::task::Id, ()), tokio::task::JoinError>| {
+            let id = match done {
+                Ok((id, ())) => id,
+                Err(e) => {
+                    warn!(error = %e, "a look-up ended abnormally");
+                    e.id()
+                }
+            };
+            if let Some(provider) = of_task.remove(&id)
                 && let Some(n) = busy.get_mut(&provider)
             {
                 *n = n.saturating_sub(1);
             }
         };
         while !shutdown.is_cancelled() {
-            while let Some(done) = asking.try_join_next() {
-                release(&mut busy, done);
+            while let Some(done) = asking.try_join_next_with_id() {
+                release(&mut busy, &mut of_task, done);
             }
             let full: Vec<String> =
                 busy.iter().filter(|(_, n)| **n >= LOOKUPS_PER_PROVIDER).map(|(p, _)| p.clone()).collect();
@@ -117,15 +136,15 @@ impl Reconciler {
                     *busy.entry(provider.clone()).or_default() += 1;
                     let this = self.clone();
                     let span = task_span("ask", case.task_id, case.attempt, case.traceparent.as_deref());
-                    asking.spawn(
+                    let handle = asking.spawn(
                         async move {
                             if let Err(e) = this.ask(case).await {
                                 warn!(error = %e, "asking a provider failed; trying again");
                             }
-                            provider
                         }
                         .instrument(span),
                     );
+                    of_task.insert(handle.id(), provider);
                     continue;
                 }
                 Ok(None) => {}
@@ -134,7 +153,9 @@ impl Reconciler {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = self.wake.notified() => {}
-                Some(done) = asking.join_next(), if !asking.is_empty() => release(&mut busy, done),
+                Some(done) = asking.join_next_with_id(), if !asking.is_empty() => {
+                    release(&mut busy, &mut of_task, done);
+                }
                 _ = tokio::time::sleep(LONGEST_SLEEP) => {}
             }
         }
@@ -196,17 +217,15 @@ impl Reconciler {
     /// Claims the next open case that is due, of a provider not in `full`, for a
     /// while (its next ask moves 30 s on), so that it is asked outside a transaction.
     async fn claim_due(&self, full: &[String]) -> Result<Option<AskRow>, fenceline_bus::Error> {
-        let now = Timestamp::now().0;
         let case: Option<AskRow> = sqlx::query_as(
-            "UPDATE cases SET next_ask_at_us = $2 WHERE case_id = ( \
-                 SELECT case_id FROM cases WHERE state = 'asking' AND next_ask_at_us <= $1 \
-                 AND NOT (coalesce(provider, '') = ANY($3)) \
-                 ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE SKIP LOCKED) \
-             RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, asked, ask_until_us, \
-                       never_received_counts_from_us, traceparent",
+            "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us) \
+             UPDATE cases SET next_ask_at_us = clock.now_us + 30000000 FROM clock WHERE case_id = ( \
+                 SELECT case_id FROM cases, clock WHERE state = 'asking' AND next_ask_at_us <= clock.now_us \
+                 AND NOT (coalesce(provider, '') = ANY($1)) \
+                 ORDER BY next_ask_at_us LIMIT 1 FOR UPDATE OF cases SKIP LOCKED) \
+             RETURNING case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
+                       received, asked, ask_until_us, never_received_counts_from_us, clock.now_us, traceparent",
         )
-        .bind(now)
-        .bind(now + 30_000_000)
         .bind(full)
         .fetch_optional(&self.pool)
         .await?;
@@ -216,8 +235,15 @@ impl Reconciler {
     /// Asks the provider about one claimed case and decides, or sets its next ask.
     async fn ask(&self, case: AskRow) -> Result<(), fenceline_bus::Error> {
         let provider = case.provider.as_deref().and_then(|p| self.providers.get(p));
-        let (answer, mut found) = match (provider, case.operation_key.as_deref()) {
-            (Some(provider), Some(key)) => {
+        let (answer, mut found) = match (provider, case.provider_request_id.as_deref(), case.operation_key.as_deref()) {
+            // The provider named a request id for the call: it is polled, at any
+            // provider, and no answer to a poll is "never received".
+            (Some(provider), Some(request_id), _) => {
+                let polled = provider.poll(request_id).await;
+                let _ = fenceline_bus::faults::drops("reconciler.after_lookup_answer");
+                self.judge(provider, polled_as_lookup(polled)).await
+            }
+            (Some(provider), None, Some(key)) => {
                 let lookup = provider.lookup(key).await;
                 // The provider answered; nothing of its answer is saved yet.
                 let _ = fenceline_bus::faults::drops("reconciler.after_lookup_answer");
@@ -233,7 +259,7 @@ impl Reconciler {
             base: Duration::from_millis(self.settings.ask_base_ms),
             cap: Duration::from_millis(self.settings.ask_cap_ms),
         };
-        let mut until = Duration::from_micros(u64::try_from(case.ask_until_us - Timestamp::now().0).unwrap_or(0));
+        let mut until = Duration::from_micros(u64::try_from(case.ask_until_us - case.now_us).unwrap_or(0));
         if matches!(answer, Judged::NotFinished) {
             // The provider has the work and is doing it: its result is worth waiting
             // for past the task's deadline (no new attempt starts; a paid result is
@@ -244,11 +270,29 @@ impl Reconciler {
             Judged::Recovered(_) | Judged::BadResult => LookupAnswer::Found { finished: true },
             Judged::NotFinished => LookupAnswer::Found { finished: false },
             Judged::NeverReceived => LookupAnswer::NeverReceived,
-            Judged::NoAnswer => LookupAnswer::NoAnswer,
+            Judged::NoAnswer | Judged::DoneUnreachable => LookupAnswer::NoAnswer,
         };
         let settles_in =
-            Duration::from_micros(u64::try_from(case.never_received_counts_from_us - Timestamp::now().0).unwrap_or(0));
+            Duration::from_micros(u64::try_from(case.never_received_counts_from_us - case.now_us).unwrap_or(0));
+        let received = case.received
+            || matches!(domain_answer, LookupAnswer::Found { .. })
+            || matches!(answer, Judged::DoneUnreachable);
         let next = match domain_answer {
+            LookupAnswer::NeverReceived if case.received => {
+                all.push(evidence(
+                    "reconciler",
+                    "the provider had received this call (an earlier answer showed it); a later \"never received\" \
+                     cannot undo that, and is taken as no answer",
+                ));
+                after_lookup(
+                    domain_answer,
+                    true,
+                    u32::try_from(case.asked).unwrap_or(0),
+                    until,
+                    &backoff,
+                    rand::random(),
+                )
+            }
             // The lost worker's request may still be on its way: not yet evidence
             // that nothing was done. Ask again once it can no longer arrive.
             LookupAnswer::NeverReceived if !settles_in.is_zero() => {
@@ -259,7 +303,14 @@ impl Reconciler {
                 ));
                 AfterLookup::AskAgainIn(settles_in)
             }
-            answer => after_lookup(answer, u32::try_from(case.asked).unwrap_or(0), until, &backoff, rand::random()),
+            answer => after_lookup(
+                answer,
+                case.received,
+                u32::try_from(case.asked).unwrap_or(0),
+                until,
+                &backoff,
+                rand::random(),
+            ),
         };
         let task_id = TaskId::from_uuid(case.task_id);
         let mut tx = self.pool.begin().await?;
@@ -293,18 +344,29 @@ impl Reconciler {
                 ));
                 (Some(RecoveryDecision::OutcomeUnknown), None, Some(case.case_id.to_string()))
             }
+            (AfterLookup::OutcomeUnknown, Judged::DoneUnreachable) => {
+                all.push(evidence(
+                    "reconciler",
+                    "the provider did the work (it is paid for), but its artifact could not be fetched before the \
+                     task's deadline: a person decides whether to fetch and attach it, or to pay for the work again",
+                ));
+                (Some(RecoveryDecision::NeedsHuman), None, Some(case.case_id.to_string()))
+            }
             (AfterLookup::OutcomeUnknown, _) => {
                 all.push(evidence("reconciler", "no answer from the provider before the task's deadline"));
                 (Some(RecoveryDecision::OutcomeUnknown), None, Some(case.case_id.to_string()))
             }
             (AfterLookup::AskAgainIn(wait), _) => {
                 sqlx::query(
-                    "UPDATE cases SET asked = asked + 1, next_ask_at_us = $2, evidence = evidence || $3 \
+                    "UPDATE cases SET asked = asked + 1, \
+                     next_ask_at_us = (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + $2, \
+                     evidence = evidence || $3, received = received OR $4 \
                      WHERE case_id = $1 AND state = 'asking'",
                 )
                 .bind(case.case_id)
-                .bind(Timestamp::now().0 + i64::try_from(wait.as_micros()).unwrap_or(i64::MAX / 4))
+                .bind(i64::try_from(wait.as_micros()).unwrap_or(i64::MAX / 4))
                 .bind(sqlx::types::Json(&all))
+                .bind(received)
                 .execute(&mut *tx)
                 .await?;
                 (None, None, None)
@@ -313,12 +375,13 @@ impl Reconciler {
         };
         if let Some(decision) = decision {
             let updated: Option<sqlx::types::Json<Vec<Evidence>>> = sqlx::query_scalar(
-                "UPDATE cases SET state = 'decided', decision = $2, evidence = evidence || $3, decided_at = now() \
-                 WHERE case_id = $1 AND state = 'asking' RETURNING evidence",
+                "UPDATE cases SET state = 'decided', decision = $2, evidence = evidence || $3, decided_at = now(), \
+                 received = received OR $4 WHERE case_id = $1 AND state = 'asking' RETURNING evidence",
             )
             .bind(case.case_id)
             .bind(decision.as_str())
             .bind(sqlx::types::Json(&all))
+            .bind(received)
             .fetch_optional(&mut *tx)
             .await?;
             if let Some(all) = updated {
@@ -363,7 +426,7 @@ impl Reconciler {
                     (Judged::BadResult, evidence(&source, format!("look-up: done as {request_id}, but {e}")))
                 }
                 Err(e) => (
-                    Judged::NoAnswer,
+                    Judged::DoneUnreachable,
                     evidence(
                         &source,
                         format!("look-up: done as {request_id}, but its artifact could not be fetched: {e}"),
@@ -374,6 +437,20 @@ impl Reconciler {
     }
 }
 
+/// A poll of the request id the provider named, read as a look-up's answer. The
+/// provider received the call, so no poll outcome (a `404` of an expired job, a
+/// gateway's page, a refused connection) is "never received": it is no answer.
+fn polled_as_lookup(polled: CallAnswer) -> Lookup {
+    match polled {
+        CallAnswer::Done { request_id, result } => Lookup::Found { request_id, result: Some(result) },
+        CallAnswer::Accepted { request_id } => Lookup::Found { request_id, result: None },
+        CallAnswer::Outcome(outcome, detail) => Lookup::NoAnswer(format!(
+            "polling the request id: {outcome:?}{}",
+            detail.map(|d| format!(" ({d})")).unwrap_or_default()
+        )),
+    }
+}
+
 #[derive(Debug)]
 enum Judged {
     Recovered(ArtifactRef),
@@ -381,6 +458,9 @@ enum Judged {
     BadResult,
     /// Received, still being done: in progress, not "no answer".
     NotFinished,
+    /// Done (and paid for), but its artifact could not be fetched: asked again, and
+    /// a person's case (not "unknown") if it stays so.
+    DoneUnreachable,
     NeverReceived,
     NoAnswer,
 }

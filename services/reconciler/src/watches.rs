@@ -128,7 +128,7 @@ impl TaskStates {
 }
 
 /// What is known about an attempt's last call when it ended without a result.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct LostCall {
     pub task_id: TaskId,
     pub attempt: i32,
@@ -162,18 +162,36 @@ pub async fn decide(
 
 impl Watches {
     async fn open_case(&self, tx: &mut PgConnection, outbox: &OutboxWriter, lost: LostCall) -> Result<(), HandleError> {
-        let grant: Option<(String, Option<i64>, String)> =
-            sqlx::query_as("SELECT kind, deadline_us, provider FROM grants WHERE task_id = $1 AND attempt = $2")
-                .bind(lost.task_id.as_uuid())
-                .bind(lost.attempt)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let (kind, deadline, slot_provider) = grant.unwrap_or_default();
+        type GrantRow = (String, Option<i64>, String, i64);
+        let grant: Option<GrantRow> = sqlx::query_as(
+            "SELECT kind, deadline_us, provider, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint \
+             FROM grants WHERE task_id = $1 AND attempt = $2",
+        )
+        .bind(lost.task_id.as_uuid())
+        .bind(lost.attempt)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((kind, deadline, slot_provider, now)) = grant else {
+            // Heard before its grant: without the kind, no step can be judged the
+            // kind's last call. The case opens when the grant arrives.
+            let kept = serde_json::to_value(&lost).map_err(|e| HandleError::Poison(e.to_string()))?;
+            sqlx::query(
+                "INSERT INTO early_losses (task_id, attempt, lost) VALUES ($1, $2, $3) \
+                 ON CONFLICT (task_id, attempt) DO NOTHING",
+            )
+            .bind(lost.task_id.as_uuid())
+            .bind(lost.attempt)
+            .bind(kept)
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(task_id = %lost.task_id, attempt = lost.attempt,
+                "an attempt's loss heard before its grant: its case opens when the grant arrives");
+            return Ok(());
+        };
         let provider_name = lost.provider.clone().unwrap_or(slot_provider);
         let spec = self.catalog.provider(&provider_name);
         let caps = spec.map(|p| p.capabilities()).unwrap_or_default();
         let case_id = uuid::Uuid::now_v7();
-        let now = Timestamp::now().0;
         let ask_until = deadline.unwrap_or(now + i64::try_from(self.settings.ask_for_ms).unwrap_or(0) * 1_000);
         let mut found = vec![
             evidence("executor", lost.what.clone()),
@@ -211,13 +229,21 @@ impl Watches {
                         lost.operation_key.as_deref().unwrap_or("?")
                     ),
                 ));
-                ("decided", Some(RecoveryDecision::RetrySafe))
+                ("decided", Some(RecoveryDecision::RetrySameKey))
             }
             AfterLoss::AskProvider => {
-                found.push(evidence(
-                    "catalogue",
-                    format!("provider `{provider_name}` answers look-ups by operation key"),
-                ));
+                found.push(match (&lost.request_id, caps.lookup) {
+                    (Some(request_id), _) => evidence(
+                        "reconciler",
+                        format!(
+                            "provider `{provider_name}` accepted the call as {request_id}: it received it, and the \
+                             request id is polled until its result or the task's deadline"
+                        ),
+                    ),
+                    (None, _) => {
+                        evidence("catalogue", format!("provider `{provider_name}` answers look-ups by operation key"))
+                    }
+                });
                 let window = spec.map(|p| p.in_flight_window()).unwrap_or_default();
                 found.push(evidence(
                     "reconciler",
@@ -244,9 +270,9 @@ impl Watches {
         let inserted = sqlx::query(
             "INSERT INTO cases (case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
              last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at, \
-             never_received_counts_from_us, traceparent) \
+             never_received_counts_from_us, traceparent, received) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
-                     CASE WHEN $11 = 'decided' THEN now() END, $16, $17) \
+                     CASE WHEN $11 = 'decided' THEN now() END, $16, $17, $8 IS NOT NULL) \
              ON CONFLICT (task_id, attempt) DO NOTHING",
         )
         .bind(case_id)
@@ -458,11 +484,12 @@ impl Watches {
     }
 }
 
-/// Whether `step` is the kind's last step that calls a provider (an unknown kind:
-/// taken as one call).
+/// Whether `step` is the kind's last step that calls a provider. A kind this
+/// catalogue does not know is never taken as ending at `step`: a recovered result
+/// would end the task and skip whatever steps it has after it, so a person decides.
 pub fn is_last_call(catalog: &Catalog, kind: &str, step: Option<&str>) -> bool {
     let Some(kind) = catalog.kind(kind) else {
-        return true;
+        return false;
     };
     kind.steps.iter().rev().find(|s| s.call().is_some()).map(|s| s.name.as_str()) == step
 }
@@ -504,6 +531,16 @@ impl Handler for Watches {
                 .bind(fenceline_telemetry::current_traceparent())
                 .execute(&mut *tx)
                 .await?;
+                // A loss heard before this grant opens its case now.
+                let early: Option<sqlx::types::Json<LostCall>> =
+                    sqlx::query_scalar("DELETE FROM early_losses WHERE task_id = $1 AND attempt = $2 RETURNING lost")
+                        .bind(g.task_id.as_uuid())
+                        .bind(g.attempt)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                if let Some(lost) = early {
+                    self.open_case(tx, outbox, lost.0).await?;
+                }
             }
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.

@@ -89,6 +89,18 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     // Commits that set a timer or free a slot notify this channel (one per schema).
     let channel: Arc<str> =
         format!("fenceline_{}_due", config.service.postgres.schema.as_deref().unwrap_or(NAME)).into();
+    // Every instant the scheduler judges is the database's: anchored before the
+    // first event is applied, and kept anchored while it runs.
+    clock::anchor(&app.base.database.pool).await.map_err(|e| Error::Bus(e.into()))?;
+    let pool = app.base.database.pool.clone();
+    app.base.spawn_every(Duration::from_secs(1), move || {
+        let pool = pool.clone();
+        async move {
+            if let Err(e) = clock::anchor(&pool).await {
+                tracing::warn!(error = %e, "reading the database's clock failed; keeping the last offset");
+            }
+        }
+    });
     let handler = events::LifecycleEvents {
         catalog: catalog.clone(),
         settings: settings.clone(),

@@ -227,6 +227,7 @@ impl ProviderSpec {
             overrides: self.overrides(),
             safe_5xx: self.safe_5xx.clone(),
             dedupes: self.capabilities.idempotency_keys,
+            keyed: self.capabilities.idempotency_keys || self.capabilities.lookup,
         }
     }
 }

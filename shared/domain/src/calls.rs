@@ -87,6 +87,10 @@ pub struct ErrorTable {
     /// The provider dedupes by `Idempotency-Key`: a 409 to a keyed request says a
     /// request with the same key is still running there.
     pub dedupes: bool,
+    /// The provider is sent the operation key (it dedupes or looks up by it). At one
+    /// that does not dedupe, a 409 "still running" says an earlier request with
+    /// the key is doing (and will bill) the work: in doubt, never "rejected".
+    pub keyed: bool,
 }
 
 impl ErrorTable {
@@ -120,6 +124,9 @@ pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classificat
             }
             if let Some(class) = table.overrides.get(status) {
                 return Some(of(*class, *retry_after));
+            }
+            if *status == 409 && table.keyed && !table.dedupes {
+                return Some(of(ErrorClass::Ambiguous, None));
             }
             match status {
                 200..=299 => None,
@@ -228,7 +235,9 @@ pub enum AfterLoss {
 ///
 /// A provider that dedupes by key makes a retry with the same key safe after
 /// `provider_accepted` too (the table names the case without a request id; with
-/// one, the same key still returns the first call's result).
+/// one, the same key still returns the first call's result). A request id the
+/// provider named is asked about (polled) at any provider, whether or not it can
+/// look up by key: the work it accepted is followed to its result, not given up.
 pub fn after_loss(last_phase: Phase, request_id_known: bool, provider: ProviderCapabilities) -> AfterLoss {
     match last_phase {
         Phase::Claimed | Phase::StepStarted => AfterLoss::RetrySafe,
@@ -236,7 +245,7 @@ pub fn after_loss(last_phase: Phase, request_id_known: bool, provider: ProviderC
         Phase::CallIntent | Phase::ProviderAccepted => {
             if provider.idempotency_keys && (!request_id_known || !provider.lookup) {
                 AfterLoss::RetrySameKey
-            } else if provider.lookup {
+            } else if provider.lookup || request_id_known {
                 AfterLoss::AskProvider
             } else {
                 AfterLoss::OutcomeUnknown
@@ -270,8 +279,13 @@ pub enum AfterLookup {
 }
 
 /// Decides after the `asked`-th look-up (0-based), with `until_deadline` left.
+/// `received`: an earlier answer showed that the provider received the request
+/// (it accepted it under a request id, or a look-up found it). Evidence only moves
+/// toward "it happened": after that, a "never received" (an expired job, a replica
+/// that lost it, a restart) is no answer, never a safe retry.
 pub fn after_lookup(
     answer: LookupAnswer,
+    received: bool,
     asked: u32,
     until_deadline: Duration,
     backoff: &Backoff,
@@ -279,8 +293,8 @@ pub fn after_lookup(
 ) -> AfterLookup {
     match answer {
         LookupAnswer::Found { finished: true } => AfterLookup::Recover,
-        LookupAnswer::NeverReceived => AfterLookup::RetrySafe,
-        LookupAnswer::Found { finished: false } | LookupAnswer::NoAnswer => {
+        LookupAnswer::NeverReceived if !received => AfterLookup::RetrySafe,
+        LookupAnswer::Found { finished: false } | LookupAnswer::NoAnswer | LookupAnswer::NeverReceived => {
             let wait = backoff.delay(asked, None, jitter);
             if wait < until_deadline { AfterLookup::AskAgainIn(wait) } else { AfterLookup::OutcomeUnknown }
         }
@@ -440,7 +454,7 @@ mod tests {
             (503, ErrorClass::Throttled),
             (500, ErrorClass::Throttled),
         ]);
-        let table = ErrorTable { overrides, safe_5xx: BTreeSet::from([503]), dedupes: false };
+        let table = ErrorTable { overrides, safe_5xx: BTreeSet::from([503]), dedupes: false, keyed: false };
         let class = |o: &CallOutcome| classify(o, &table).map(|c| c.class);
         assert_eq!(class(&answered(409)), Some(ErrorClass::Throttled));
         assert_eq!(class(&answered(200)), Some(ErrorClass::ProviderFailed));
@@ -529,6 +543,20 @@ mod tests {
     }
 
     #[test]
+    fn a_409_at_a_provider_that_looks_up_by_key_but_does_not_dedupe_is_in_doubt() {
+        let backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+        let table = ErrorTable { keyed: true, ..ErrorTable::default() };
+        let NextMove::Fail { classification, new_key } =
+            after_outcome(CallStage::Sent, &answered(409), &table, 0, Duration::from_secs(60), &backoff, 0.5)
+        else {
+            panic!("not sent again: the provider does not dedupe");
+        };
+        assert_eq!((classification.class, new_key), (ErrorClass::Ambiguous, false), "the earlier request may bill");
+        let unkeyed = ErrorTable::default();
+        assert_eq!(classify(&answered(409), &unkeyed).map(|c| c.class), Some(ErrorClass::Rejected));
+    }
+
+    #[test]
     fn every_row_of_the_recovery_decision_table() {
         let caps = |idempotency_keys, lookup| ProviderCapabilities { idempotency_keys, lookup };
         for phase in [Phase::Claimed, Phase::StepStarted] {
@@ -542,7 +570,12 @@ mod tests {
         assert_eq!(after_loss(Phase::ProviderAccepted, true, caps(false, true)), AfterLoss::AskProvider);
         assert_eq!(after_loss(Phase::ProviderAccepted, true, caps(true, true)), AfterLoss::AskProvider);
         assert_eq!(after_loss(Phase::CallIntent, false, caps(false, false)), AfterLoss::OutcomeUnknown);
-        assert_eq!(after_loss(Phase::ProviderAccepted, true, caps(false, false)), AfterLoss::OutcomeUnknown);
+        assert_eq!(
+            after_loss(Phase::ProviderAccepted, true, caps(false, false)),
+            AfterLoss::AskProvider,
+            "a request id the provider named is polled, at any provider"
+        );
+        assert_eq!(after_loss(Phase::ProviderAccepted, true, caps(true, false)), AfterLoss::RetrySameKey);
         assert_eq!(after_loss(Phase::ResultRecorded, true, caps(false, false)), AfterLoss::FinishRecorded);
     }
 
@@ -568,16 +601,46 @@ mod tests {
     fn look_ups_recover_retry_ask_again_or_give_up_at_the_deadline() {
         let backoff = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60) };
         let hour = Duration::from_secs(3600);
-        assert_eq!(after_lookup(LookupAnswer::Found { finished: true }, 0, hour, &backoff, 0.5), AfterLookup::Recover);
-        assert_eq!(after_lookup(LookupAnswer::NeverReceived, 0, hour, &backoff, 0.5), AfterLookup::RetrySafe);
+        let found = LookupAnswer::Found { finished: true };
+        assert_eq!(after_lookup(found, false, 0, hour, &backoff, 0.5), AfterLookup::Recover);
+        assert_eq!(after_lookup(LookupAnswer::NeverReceived, false, 0, hour, &backoff, 0.5), AfterLookup::RetrySafe);
         assert_eq!(
-            after_lookup(LookupAnswer::NoAnswer, 2, hour, &backoff, 0.5),
+            after_lookup(LookupAnswer::NoAnswer, false, 2, hour, &backoff, 0.5),
             AfterLookup::AskAgainIn(Duration::from_secs(2))
         );
         assert_eq!(
-            after_lookup(LookupAnswer::NoAnswer, 2, Duration::from_secs(1), &backoff, 0.5),
+            after_lookup(LookupAnswer::NoAnswer, false, 2, Duration::from_secs(1), &backoff, 0.5),
             AfterLookup::OutcomeUnknown
         );
+    }
+
+    proptest! {
+        /// Once the provider showed it received the request, no later answer makes
+        /// the work a safe retry: evidence only moves toward "it happened".
+        #[test]
+        fn received_work_is_never_retried_as_safe(
+            answers in proptest::collection::vec(0u8..4, 1..12),
+            left_s in 0u64..7200,
+        ) {
+            let backoff = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60) };
+            let mut received = false;
+            for (asked, a) in answers.into_iter().enumerate() {
+                let answer = match a {
+                    0 => LookupAnswer::Found { finished: false },
+                    1 => LookupAnswer::NeverReceived,
+                    2 => LookupAnswer::NoAnswer,
+                    _ => LookupAnswer::Found { finished: true },
+                };
+                let next = after_lookup(answer, received, asked as u32, Duration::from_secs(left_s), &backoff, 0.5);
+                if received {
+                    prop_assert_ne!(next, AfterLookup::RetrySafe);
+                }
+                received |= matches!(answer, LookupAnswer::Found { .. });
+                if matches!(next, AfterLookup::Recover | AfterLookup::RetrySafe | AfterLookup::OutcomeUnknown) {
+                    break;
+                }
+            }
+        }
     }
 
     proptest! {

@@ -103,6 +103,12 @@ pub struct Task {
     /// The ids of the latest signals that ended a wait, newest last.
     #[serde(default)]
     pub consumed_signals: Vec<String>,
+    /// The next try sends again an operation key whose earlier call may have done
+    /// (and billed) the work, to a provider that dedupes by it: a resend, not a new
+    /// operation. Until it is answered, the task cannot end as "failed before it
+    /// could run", and a refusal of the resend does not say the work was not done.
+    #[serde(default)]
+    pub key_in_doubt: bool,
 }
 
 /// What happened, as the scheduler learned it.
@@ -216,6 +222,7 @@ impl Task {
             early_decision: None,
             kept_signals: Vec::new(),
             consumed_signals: Vec::new(),
+            key_in_doubt: false,
         }
     }
 
@@ -389,6 +396,17 @@ impl Task {
                 self.resolved(action, result, now)
             }
             Input::DeadlinePassed
+                if self.live_grant.is_none()
+                    && matches!(self.state, TaskState::Queued | TaskState::Waiting)
+                    && self.key_in_doubt =>
+            {
+                self.needs_human(
+                    "the deadline passed before the call could be sent again with the same operation key; the \
+                     earlier call may have done and billed the work",
+                    None,
+                );
+            }
+            Input::DeadlinePassed
                 if self.live_grant.is_none() && matches!(self.state, TaskState::Queued | TaskState::Waiting) =>
             {
                 self.finish(TaskState::Failed, "the deadline passed before the task could run");
@@ -410,6 +428,7 @@ impl Task {
         match action {
             ResolutionAction::RetryAsNew => {
                 self.generation += 1;
+                self.key_in_doubt = false;
                 self.failures = 0;
                 self.throttles = 0;
                 self.case_id = None;
@@ -480,6 +499,7 @@ impl Task {
     }
 
     fn finish(&mut self, state: TaskState, reason: &str) {
+        self.key_in_doubt = false;
         self.state = state;
         self.reason = Some(reason.to_owned());
         self.due_at = None;
@@ -528,6 +548,12 @@ impl Task {
                 self.wait_until(after(now, wait), format!("{class}; not counted as a failed attempt"));
             }
             ErrorClass::NotSent | ErrorClass::ProviderFailed => self.retry_or_give_up(why, retry_after, jitter, now, p),
+            // A refusal of a resend speaks for the resend only: the earlier call
+            // under the same key may have done the work.
+            ErrorClass::Rejected if self.key_in_doubt => self.needs_human(
+                &format!("{why}; the earlier call with this operation key may have done and billed the work"),
+                None,
+            ),
             ErrorClass::Rejected => self.finish(TaskState::Failed, &why),
             ErrorClass::NotAuthorised => self.needs_human(&why, None),
             ErrorClass::ResultMismatch => {
@@ -561,8 +587,22 @@ impl Task {
                         "cancelled; the evidence shows the last call cannot have been charged twice",
                     );
                 }
-                let why = "the evidence shows a retry is safe (the call did not reach the provider, or the retry \
-                           carries the same operation key to a provider that deduplicates)";
+                self.key_in_doubt = false;
+                let why = "the evidence shows a retry is safe: the call did not reach the provider";
+                self.retry_or_give_up(why.to_owned(), None, jitter, now, p);
+            }
+            RecoveryDecision::RetrySameKey => {
+                self.awaiting_evidence = false;
+                if self.cancel_requested {
+                    return self.finish(
+                        TaskState::Cancelled,
+                        "cancelled; the last call's outcome is unknown, and it may have been charged (the provider \
+                         dedupes, so a retry would not have charged again)",
+                    );
+                }
+                self.key_in_doubt = true;
+                let why = "the call's outcome is unknown; the retry carries the same operation key to a provider \
+                           that deduplicates, so it cannot be charged twice";
                 self.retry_or_give_up(why.to_owned(), None, jitter, now, p);
             }
             RecoveryDecision::Recovered => {
@@ -616,6 +656,11 @@ impl Task {
                 self.cancel_requested = true;
                 self.reason = Some("cancellation requested; waiting for the evidence about the last call".to_owned());
             }
+            (_, None) if self.key_in_doubt => self.finish(
+                TaskState::Cancelled,
+                "cancelled before the call was sent again; the earlier call's outcome is unknown and it may have \
+                 been charged",
+            ),
             (_, None) => self.finish(TaskState::Cancelled, "cancelled"),
         }
     }
@@ -1072,6 +1117,7 @@ mod tests {
         ]);
         let decision = prop::sample::select(vec![
             RecoveryDecision::RetrySafe,
+            RecoveryDecision::RetrySameKey,
             RecoveryDecision::Recovered,
             RecoveryDecision::OutcomeUnknown,
             RecoveryDecision::NeedsHuman,
@@ -1250,7 +1296,7 @@ mod tests {
                     let (_, decision) = self.owed.remove(at);
                     let state = t.task.state;
                     let fits = match decision {
-                        RecoveryDecision::RetrySafe => {
+                        RecoveryDecision::RetrySafe | RecoveryDecision::RetrySameKey => {
                             matches!(state, TaskState::Waiting | TaskState::NeedsHuman | TaskState::Cancelled)
                         }
                         RecoveryDecision::Recovered => state == TaskState::Succeeded,
@@ -1375,6 +1421,14 @@ mod tests {
                 }
                 if t.task.awaits_a_person() {
                     prop_assert!(t.task.case_id.is_some(), "a person is asked without a case to name");
+                }
+                // A resend of a key whose first call may have done the work never ends
+                // "failed" on its own: only a person may accept that.
+                if before.key_in_doubt && t.task.state == TaskState::Failed {
+                    prop_assert!(
+                        matches!(input, Input::Resolution { action: ResolutionAction::AcceptFailed, .. }),
+                        "a call in doubt ended failed without a person: {:?}", t.task.reason
+                    );
                 }
                 let busy = matches!(input, Input::Released { reason: ReleaseReason::Busy, .. })
                     || matches!(input, Input::Failed { class: ErrorClass::Busy | ErrorClass::Throttled, .. });

@@ -126,6 +126,7 @@ word_set!(
     /// The reconciler's decisions.
     RecoveryDecision, "recovery decision" {
         RetrySafe => "retry_safe",
+        RetrySameKey => "retry_same_key",
         Recovered => "recovered",
         OutcomeUnknown => "outcome_unknown",
         ReissueGrant => "reissue_grant",

@@ -232,11 +232,9 @@ impl HttpProvider {
         let this = self.clone();
         let url = format!("{}/v1/operations?operation_key={operation_key}", self.base_url);
         let (span, traceparent) = self.exchange_span("lookup");
+        let key = operation_key.to_owned();
         let found = blocking(move || match with_trace(this.with_auth(this.agent.get(url)), traceparent).call() {
-            Ok(mut r) if r.status().as_u16() == 404 => {
-                let _ = r.body_mut().read_to_vec();
-                Lookup::NeverReceived
-            }
+            Ok(r) if r.status().as_u16() == 404 => never_received(r, &key),
             Ok(r) if r.status().is_success() => match this.answer_of(Ok(r)) {
                 CallAnswer::Done { request_id, result } => Lookup::Found { request_id, result: Some(result) },
                 CallAnswer::Accepted { request_id } => Lookup::Found { request_id, result: None },
@@ -398,6 +396,24 @@ fn answer_of(mut response: ureq::http::Response<ureq::Body>) -> CallAnswer {
     }
 }
 
+/// A look-up's `404` is "never received" only when the provider itself says so:
+/// a JSON body that names the key asked about, or the provider's problem document
+/// (`application/problem+json`). A bare `404` may be a gateway's or an ingress's
+/// page (a route missing during a deploy) and proves nothing about the work.
+fn never_received(mut response: ureq::http::Response<ureq::Body>, operation_key: &str) -> Lookup {
+    let problem = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("application/problem+json"));
+    let body = response.body_mut().with_config().limit(64 * 1024).read_to_vec().unwrap_or_default();
+    match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(v) if v.get("operation_key").and_then(|k| k.as_str()) == Some(operation_key) => Lookup::NeverReceived,
+        Ok(v) if problem && v.is_object() => Lookup::NeverReceived,
+        _ => Lookup::NoAnswer("404 without the provider's own body (a gateway's page?): not evidence".to_owned()),
+    }
+}
+
 /// Only failures that certainly happened before the request left are "not sent";
 /// everything else may have reached the provider. A refused TLS handshake is "not
 /// sent": the provider cannot read a request over a connection it did not accept.
@@ -452,6 +468,32 @@ mod tests {
         for body in [nul_in_id, nul_in_uri] {
             // The work may have happened, and nothing of the answer can be kept.
             assert_eq!(answered(200, body), CallAnswer::Outcome(CallOutcome::ResetMidResponse, None), "{body}");
+        }
+    }
+
+    fn not_found(mime: &str, body: &str) -> Lookup {
+        let body = ureq::Body::builder().mime_type(mime).data(body.as_bytes().to_vec());
+        never_received(ureq::http::Response::builder().status(404).body(body).expect("response"), "k1")
+    }
+
+    #[test]
+    fn only_the_providers_own_404_says_never_received() {
+        assert_eq!(
+            not_found("application/json", r#"{"status": "unknown", "operation_key": "k1"}"#),
+            Lookup::NeverReceived
+        );
+        assert_eq!(
+            not_found("application/problem+json", r#"{"status": 404, "detail": "no such"}"#),
+            Lookup::NeverReceived
+        );
+        for (mime, body) in [
+            ("text/html", "<html><body><h1>404</h1>default backend</body></html>"),
+            ("application/json", r#"{"operation_key": "another"}"#),
+            ("application/json", r#"{"error": "route not found"}"#),
+            ("application/problem+json", "not json"),
+            ("text/plain", ""),
+        ] {
+            assert!(matches!(not_found(mime, body), Lookup::NoAnswer(_)), "{mime} {body}");
         }
     }
 

@@ -1,11 +1,14 @@
 //! The whole system under faults. Intake, two schedulers, two executors and the
 //! reconciler run as processes against four fake providers with different
 //! capabilities and scripted misbehaviour (latency, 429, 5xx, hangs, dropped
-//! answers). While 1,000 tasks arrive through intake's API (some submitted twice),
-//! every service is SIGKILLed at random moments or crashed at a named fault point,
-//! the broker is restarted once and Postgres once (both the run's own, so other
-//! suites run beside it). When the faults stop, the run waits for the system to
-//! drain and judges it by the providers' own logs.
+//! answers, a gateway's 404 on the look-up route, slow polls of long jobs). While
+//! 1,000 tasks arrive through intake's API (some submitted twice), every service is
+//! SIGKILLed at random moments or crashed at a named fault point, the broker is
+//! restarted once, Postgres once, and the database refuses writes for longer than
+//! the consumers' backoff once (all the run's own, so other suites run beside it).
+//! While it drains, a person resolves the cases at providers that dedupe with
+//! `retry_as_new`, twice if the retry stops again. The run is judged by the
+//! providers' own logs.
 //!
 //! Each run prints its seed; `FENCELINE_CHAOS_SEED=<seed>` replays the same choices
 //! (the timing of the machine is not replayed). `FENCELINE_CHAOS_SOAK=1` runs longer
@@ -105,6 +108,8 @@ struct Figures {
     died_on_their_own: usize,
     broker_restarts: usize,
     postgres_restarts: usize,
+    /// Times the database refused writes (read-only for a while).
+    read_only_spells: usize,
     /// When an executor died (killed, crashed at a point, found dead) or Postgres
     /// was restarted, in microseconds since the epoch: the moments a call intent
     /// can be left with nobody to say whether its request left.
@@ -319,7 +324,9 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let mut system = System::with_own_broker_and_postgres(&[
         // Accepts with 202 and is polled, so failed polls and artifact fetches are in the mix.
         ("imagegen", Caps { lookup: true, async_results: true, ..Caps::default() }),
-        ("sketcher", Caps::default()),
+        // Accepts with 202 too, and can neither dedupe nor be asked: a worker lost
+        // while it polls leaves a request id only the reconciler's polls can follow.
+        ("sketcher", Caps { async_results: true, ..Caps::default() }),
         ("llm", Caps { idempotency_keys: true, ..Caps::default() }),
         ("payments", Caps { idempotency_keys: true, lookup: true, ..Caps::default() }),
     ])
@@ -354,12 +361,18 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         // The artifact behind a redirect, or failing to download once.
         ("imagegen", json!({"serve_artifact": "redirect", "times": share(10)})),
         ("imagegen", json!({"on": "artifact", "status": 503, "times": share(5)})),
+        // A gateway in front of the look-up route answers its own 404 page: no answer.
+        ("imagegen", json!({"on": "lookup", "status": 404, "bare": true, "times": share(10)})),
         ("imagegen", json!({"latency_ms": 100})),
         ("sketcher", json!({"drop_after_accept": true, "times": share(5)})),
         ("sketcher", json!({"status": 503, "times": share(10)})),
         ("sketcher", json!({"hang": true, "times": 2})),
+        // Long jobs: polls take a while, so executors are often killed while polling.
+        ("sketcher", json!({"on": "poll", "latency_ms": 1_500, "times": share(100)})),
         ("sketcher", json!({"latency_ms": 150})),
         ("llm", json!({"status": 429, "retry_after_s": 1, "times": share(20)})),
+        // Refused for a while: a person is asked, and resolves with retry_as_new.
+        ("llm", json!({"status": 403, "times": share(8)})),
         ("llm", json!({"drop_after_accept": true, "times": share(10)})),
         // A 5xx after charging: the retry must carry the same key.
         ("llm", json!({"status_after_work": 500, "times": share(10)})),
@@ -384,7 +397,8 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let started = Instant::now();
     let submitting = tokio::spawn(client(system.url_of("intake"), tokens.clone(), plan));
     let mut figures = Figures::default();
-    let (broker_at, postgres_at) = (plan.chaos.mul_f64(0.4), plan.chaos.mul_f64(0.7));
+    let (broker_at, read_only_at, postgres_at) =
+        (plan.chaos.mul_f64(0.4), plan.chaos.mul_f64(0.55), plan.chaos.mul_f64(0.7));
     // At least five service faults, however slowly a loaded machine restarts them:
     // the window stretches (to three times its length at most) until they happened.
     let faults = |f: &Figures| f.kills.values().sum::<usize>() + f.crashes.values().sum::<usize>();
@@ -396,6 +410,14 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
             tokio::time::sleep(Duration::from_secs(2)).await;
             system.broker().restart().await;
             figures.broker_restarts += 1;
+            continue;
+        }
+        if figures.read_only_spells == 0 && started.elapsed() >= read_only_at {
+            // A failover to a read-only node, longer than the consumers' backoff.
+            refuse_writes(&system, true).await;
+            tokio::time::sleep(Duration::from_secs(25)).await;
+            refuse_writes(&system, false).await;
+            figures.read_only_spells += 1;
             continue;
         }
         if figures.postgres_restarts == 0 && started.elapsed() >= postgres_at {
@@ -417,18 +439,38 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let accepted_ids: HashSet<uuid::Uuid> =
         accepted.values().map(|id| id.parse::<TaskId>().expect("task id").as_uuid()).collect();
     let mut approved = HashSet::new();
+    // Cases a person resolved with retry_as_new, by task: at most twice each.
+    let mut resolved: HashMap<uuid::Uuid, u32> = HashMap::new();
     let deadline = Instant::now() + plan.drain;
     let mut unsettled_at_last_fault = None;
     let states = loop {
         let states = scheduler_states(&system).await;
-        for (task, (state, _)) in &states {
+        let kinds = task_kinds(&system).await;
+        let resolvable = |task: &uuid::Uuid| kinds.get(task).is_some_and(|k| k == RESOLVED_KIND);
+        for (task, (state, generation)) in &states {
             if state == "awaiting_approval" && !approved.contains(task) && approve(&system, &by_tenant, *task).await {
                 approved.insert(*task);
+            }
+            let times = resolved.get(task).copied().unwrap_or(0);
+            if awaits_a_person(state)
+                && resolvable(task)
+                && *generation == i64::from(times)
+                && times < 2
+                && resolve_as_new(&system, &by_tenant, *task).await
+            {
+                resolved.insert(*task, times + 1);
             }
         }
         let unsettled: Vec<_> = accepted_ids
             .iter()
-            .filter(|id| states.get(id).is_none_or(|(s, _)| !SETTLED.contains(&s.as_str()) || s == "awaiting_approval"))
+            .filter(|id| {
+                states.get(id).is_none_or(|(s, generation)| {
+                    !SETTLED.contains(&s.as_str())
+                        || s == "awaiting_approval"
+                        // A resolution sent and not yet applied, or one more still to send.
+                        || (awaits_a_person(s) && resolvable(id) && *generation < 2)
+                })
+            })
             .collect();
         unsettled_at_last_fault.get_or_insert(unsettled.len());
         if unsettled.is_empty() {
@@ -492,8 +534,19 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     }
     let twice: Vec<_> = charges.iter().filter(|(_, count)| **count > 1).collect();
     assert!(twice.is_empty(), "charged more than once for one task and step: {twice:?} (seed {})", plan.seed);
-    let new_generations: Vec<_> = states.iter().filter(|(_, (_, generation))| *generation != 0).collect();
+    let new_generations: Vec<_> = states
+        .iter()
+        .filter(|(id, (_, generation))| *generation > i64::from(resolved.get(id).copied().unwrap_or(0)))
+        .collect();
     assert!(new_generations.is_empty(), "a new generation without a person's resolution: {new_generations:?}");
+    // A database that refused writes condemned no record.
+    let condemned: Vec<String> = system
+        .logs()
+        .lines()
+        .filter(|l| l.contains("record rejected") && (l.contains("25006") || l.contains("read-only")))
+        .map(str::to_owned)
+        .collect();
+    assert!(condemned.is_empty(), "records dead-lettered while the database refused writes: {condemned:#?}");
 
     // 3. Every outcome_unknown is genuinely in doubt: its provider received the call,
     //    or the executor died between committing the call intent and the request
@@ -615,8 +668,14 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     println!("SIGKILLs {kills} {:?}", figures.kills);
     println!("crashes at named points {crashes} {:?}", figures.crashes);
     println!(
-        "broker restarts {}, Postgres restarts {}, services that died on their own {}",
-        figures.broker_restarts, figures.postgres_restarts, figures.died_on_their_own
+        "broker restarts {}, Postgres restarts {}, spells of a read-only database {}, services that died on \
+         their own {}",
+        figures.broker_restarts, figures.postgres_restarts, figures.read_only_spells, figures.died_on_their_own
+    );
+    println!(
+        "cases a person resolved with retry_as_new: {} tasks, {} resolutions (at providers that dedupe)",
+        resolved.len(),
+        resolved.values().sum::<u32>()
     );
     println!(
         "redelivery batches skipped by offset {redelivered}, duplicate events skipped {duplicates}, \
@@ -637,6 +696,59 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         started.elapsed().as_secs_f64()
     );
     assert!(kills + crashes >= 5, "the run had faults: {kills} kills, {crashes} crashes");
+}
+
+/// Makes the run's database refuse writes (`default_transaction_read_only`), or
+/// take them again, and ends every session so that each new one reads the setting.
+async fn refuse_writes(system: &System, refuse: bool) {
+    let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&system.pool).await.expect("db");
+    let setting = if refuse { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
+    sqlx::query(&format!("ALTER DATABASE \"{database}\" {setting}")).execute(&system.pool).await.expect("alter");
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&system.pool)
+    .await
+    .expect("terminate");
+}
+
+/// Whether the task waits for a person.
+fn awaits_a_person(state: &str) -> bool {
+    state == "needs_human" || state == "outcome_unknown"
+}
+
+/// The kind whose cases the person of this run resolves: its paid step is at a
+/// provider that dedupes (`llm`), where `retry_as_new` sends the key in doubt again
+/// and can never be charged twice.
+const RESOLVED_KIND: &str = "ticket.reply";
+
+/// Every task's kind, at the scheduler.
+async fn task_kinds(system: &System) -> HashMap<uuid::Uuid, String> {
+    sqlx::query_as::<_, (uuid::Uuid, String)>("SELECT task_id, kind FROM scheduler.tasks")
+        .fetch_all(&system.pool)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+/// Resolves the task's open case with `retry_as_new` through intake's API, as a
+/// person of its tenant would; whether intake took it.
+async fn resolve_as_new(system: &System, tokens: &HashMap<String, String>, task: uuid::Uuid) -> bool {
+    let row: Option<(String, Option<String>)> = sqlx::query_as(
+        "SELECT i.tenant, s.lifecycle->>'case_id' FROM intake.tasks i \
+         JOIN scheduler.tasks s ON s.task_id = i.task_id WHERE i.task_id = $1",
+    )
+    .bind(task)
+    .fetch_optional(&system.pool)
+    .await
+    .unwrap_or(None);
+    let Some((tenant, Some(case_id))) = row else { return false };
+    let Some(token) = tokens.get(&tenant) else { return false };
+    let url = format!("{}/v1/tasks/{task}/resolution", system.url_of("intake"));
+    let body = json!({"case_id": case_id, "action": "retry_as_new", "acknowledge_possible_charge": true});
+    matches!(fenceline_tests::system::http_as("POST", url, token, Some(body)).await, Ok((202, _)))
 }
 
 /// The grant's attempt ended: no lease of it is live any more.

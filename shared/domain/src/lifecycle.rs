@@ -879,7 +879,7 @@ mod tests {
         // The same for an ambiguous failure, and a reissue decision is not mistaken for evidence.
         let safe = vec![
             recovery(1, RecoveryDecision::ReissueGrant, None),
-            recovery(1, RecoveryDecision::RetrySafe, None),
+            recovery(1, RecoveryDecision::RetrySameKey, None),
             failed(grant(1), ErrorClass::Ambiguous),
         ];
         let task = run(&granted, safe, 0).0;

@@ -473,7 +473,8 @@ mod tests {
 
     fn not_found(mime: &str, body: &str) -> Lookup {
         let body = ureq::Body::builder().mime_type(mime).data(body.as_bytes().to_vec());
-        never_received(ureq::http::Response::builder().status(404).body(body).expect("response"), "k1")
+        let response = ureq::http::Response::builder().status(404).header("content-type", mime).body(body);
+        never_received(response.expect("response"), "k1")
     }
 
     #[test]

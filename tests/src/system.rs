@@ -515,6 +515,59 @@ impl System {
         self.services.get_mut(id).unwrap_or_else(|| panic!("no service {id}"))
     }
 
+    /// A person of tenant `acme` resolves the task's open case (the scheduler's) with
+    /// `retry_as_new`, acknowledging a possible second charge, as intake publishes it.
+    pub async fn a_person_retries_as_new(&self, task: TaskId) {
+        let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
+            .bind(task.as_uuid())
+            .fetch_one(&self.pool)
+            .await
+            .expect("the open case");
+        let decision = Event::ResolutionDecided(fenceline_events::ResolutionDecided {
+            task_id: task,
+            tenant: "acme".into(),
+            case_id: case,
+            action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
+            charge_acknowledged: true,
+            attached_result: None,
+            decided_by: "test".into(),
+            decided_at: Timestamp::now(),
+        });
+        self.publish(topics::TASKS, &decision).await;
+    }
+
+    /// Every finding in the evidence of the task's cases, as the reconciler wrote them.
+    pub async fn case_findings(&self, task: TaskId) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
+        )
+        .bind(task.as_uuid())
+        .fetch_all(&self.pool)
+        .await
+        .expect("the task's cases")
+    }
+
+    /// Makes the system's database refuse writes (`default_transaction_read_only`,
+    /// as a failover to a read-only node does), or take them again, and ends every
+    /// other session so that each new one reads the setting.
+    pub async fn refuse_writes(&self, refuse: bool) {
+        let database: String =
+            sqlx::query_scalar("SELECT current_database()").fetch_one(&self.pool).await.expect("database");
+        let setting =
+            if refuse { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
+        // This session may have started read-only itself: it lifts that for its own writes.
+        let mut admin = self.pool.acquire().await.expect("connection");
+        sqlx::query("SET SESSION default_transaction_read_only = off").execute(&mut *admin).await.expect("set");
+        sqlx::query(&format!("ALTER DATABASE \"{database}\" {setting}")).execute(&mut *admin).await.expect("alter");
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .execute(&mut *admin)
+        .await
+        .expect("terminate");
+    }
+
     /// Publishes a `TaskAccepted` as intake would, and returns its task id.
     pub async fn submit(&self, tenant: &str, kind: &str, input: Value) -> TaskId {
         self.submit_with(tenant, kind, input, |_| {}).await

@@ -414,9 +414,9 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         }
         if figures.read_only_spells == 0 && started.elapsed() >= read_only_at {
             // A failover to a read-only node, longer than the consumers' backoff.
-            refuse_writes(&system, true).await;
+            system.refuse_writes(true).await;
             tokio::time::sleep(Duration::from_secs(25)).await;
-            refuse_writes(&system, false).await;
+            system.refuse_writes(false).await;
             figures.read_only_spells += 1;
             continue;
         }
@@ -696,21 +696,6 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         started.elapsed().as_secs_f64()
     );
     assert!(kills + crashes >= 5, "the run had faults: {kills} kills, {crashes} crashes");
-}
-
-/// Makes the run's database refuse writes (`default_transaction_read_only`), or
-/// take them again, and ends every session so that each new one reads the setting.
-async fn refuse_writes(system: &System, refuse: bool) {
-    let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&system.pool).await.expect("db");
-    let setting = if refuse { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
-    sqlx::query(&format!("ALTER DATABASE \"{database}\" {setting}")).execute(&system.pool).await.expect("alter");
-    sqlx::query(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .execute(&system.pool)
-    .await
-    .expect("terminate");
 }
 
 /// Whether the task waits for a person.

@@ -20,8 +20,9 @@ async fn calls(system: &System, provider: &str) -> (usize, usize) {
 }
 
 /// The one image kind with a short attempt budget, so that an executor gives up
-/// polling within seconds.
+/// polling within seconds; the provider's call timeout shorter still.
 fn short_budget(system: &System, budget_ms: u64) {
+    system.set_provider_field("img", "call_timeout_ms", json!(budget_ms / 2));
     system.set_kinds(json!({
         "image.generate": {"steps": [{"name": "render", "provider": "img"}],
                            "max_attempts": 4, "attempt_budget_ms": budget_ms}
@@ -81,13 +82,7 @@ async fn a_gateways_404_on_the_look_up_route_is_no_answer() {
     let state = system.wait_state(task, &["succeeded", "outcome_unknown", "needs_human", "failed"], LONG).await;
     assert_eq!(calls(&system, "img").await, (1, 1), "one request, one charge:\n{}", system.logs());
     assert_eq!(state, "succeeded", "recovered once the look-up route answered: {:?}", system.state(task).await);
-    let findings: Vec<String> = sqlx::query_scalar(
-        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
-    )
-    .bind(task.as_uuid())
-    .fetch_all(&system.pool)
-    .await
-    .expect("case");
+    let findings = system.case_findings(task).await;
     assert!(
         findings.iter().any(|f| f.contains("without the provider's own body")),
         "the gateway's page is kept as what it is: {findings:#?}"
@@ -123,7 +118,7 @@ async fn a_retry_as_new_that_follows_the_operation_in_doubt_keeps_its_key_in_the
     short_budget(&system, 4_000);
     let img = system.provider("img");
     // Registered at once and still running for a minute: the client gives up after
-    // its call timeout (10 s), and the look-ups fail until the case is unknown.
+    // its call timeout (2 s), and the look-ups fail until the case is unknown.
     img.rule(json!({"latency_ms": 60_000, "times": 1})).await;
     img.rule(json!({"on": "lookup", "status": 503, "times": 1_000})).await;
     system.spawn_all(None).await;
@@ -136,22 +131,7 @@ async fn a_retry_as_new_that_follows_the_operation_in_doubt_keeps_its_key_in_the
     // Look-ups answer again (the work is still running); polls of it fail.
     system.provider("img").reset_rules().await;
     system.provider("img").rule(json!({"on": "poll", "status": 503})).await;
-    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
-        .bind(task.as_uuid())
-        .fetch_one(&system.pool)
-        .await
-        .expect("the open case");
-    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
-        task_id: task,
-        tenant: "acme".into(),
-        case_id: case,
-        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
-        charge_acknowledged: true,
-        attached_result: None,
-        decided_by: "test".into(),
-        decided_at: fenceline_events::Timestamp::now(),
-    });
-    system.publish(fenceline_events::topics::TASKS, &decision).await;
+    system.a_person_retries_as_new(task).await;
 
     // The retry's attempt ends in doubt; its case is about the key in doubt.
     let deadline = tokio::time::Instant::now() + LONG;
@@ -270,28 +250,11 @@ async fn a_database_that_refuses_writes_for_a_while_loses_nothing() {
     let mut tasks = system.submit_many("acme", "image.generate", 20).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&system.pool).await.expect("db");
-    let read_only = |on: bool| {
-        let (pool, database) = (system.pool.clone(), database.clone());
-        async move {
-            let setting =
-                if on { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
-            sqlx::query(&format!("ALTER DATABASE \"{database}\" {setting}")).execute(&pool).await.expect("alter");
-            // Sessions read the database's settings when they start: end them all.
-            sqlx::query(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
-            )
-            .execute(&pool)
-            .await
-            .expect("terminate");
-        }
-    };
-    read_only(true).await;
+    system.refuse_writes(true).await;
     // Records keep arriving while no write can commit.
     tasks.extend(system.submit_many("acme", "image.generate", 20).await);
     tokio::time::sleep(Duration::from_secs(30)).await;
-    read_only(false).await;
+    system.refuse_writes(false).await;
 
     for task in &tasks {
         let state = system.wait_state(*task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;

@@ -28,27 +28,6 @@ async fn wait_until_the_call_left(system: &System) {
     system.wait_intent_published(LONG).await;
 }
 
-/// A person of tenant `acme` resolves the task's open case with `retry_as_new`,
-/// acknowledging a possible second charge, as intake publishes it.
-async fn a_person_retries_as_new(system: &System, task: fenceline_domain::ids::TaskId) {
-    let case: String = sqlx::query_scalar("SELECT lifecycle->>'case_id' FROM scheduler.tasks WHERE task_id = $1")
-        .bind(task.as_uuid())
-        .fetch_one(&system.pool)
-        .await
-        .expect("the open case");
-    let decision = fenceline_events::Event::ResolutionDecided(fenceline_events::ResolutionDecided {
-        task_id: task,
-        tenant: "acme".into(),
-        case_id: case,
-        action: fenceline_domain::vocabulary::ResolutionAction::RetryAsNew,
-        charge_acknowledged: true,
-        attached_result: None,
-        decided_by: "test".into(),
-        decided_at: fenceline_events::Timestamp::now(),
-    });
-    system.publish(fenceline_events::topics::TASKS, &decision).await;
-}
-
 /// Submits an image task through intake's API with an idempotency key.
 async fn submit_through_intake(intake: &str, token: &str) -> fenceline_domain::ids::TaskId {
     let url = format!("{intake}/v1/tasks");
@@ -98,13 +77,7 @@ async fn accepted_then_killed_at_a_provider_that_can_neither_dedupe_nor_look_up_
     assert_eq!(calls(&system, "img").await, (1, 1), "no automatic retry after an unknown outcome");
     let (state, _) = system.state(task).await.expect("task");
     assert_eq!(state, "outcome_unknown");
-    let evidence: Vec<String> = sqlx::query_scalar(
-        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
-    )
-    .bind(task.as_uuid())
-    .fetch_all(&system.pool)
-    .await
-    .expect("case");
+    let evidence = system.case_findings(task).await;
     assert!(evidence.iter().any(|e| e.contains("call_intent")), "the case names the last phase: {evidence:?}");
     assert!(evidence.iter().any(|e| e.contains("may be billed again")), "and what a retry would mean: {evidence:?}");
 }
@@ -295,13 +268,7 @@ async fn a_look_up_before_a_stale_request_registers_is_not_taken_as_never_receiv
     system.wait_state(task, &["succeeded"], LONG).await;
     system.service("executor-a").signal("CONT");
     assert_eq!(calls(&system, "img").await, (1, 1), "one charge: the work was recovered, not done again");
-    let evidence: Vec<String> = sqlx::query_scalar(
-        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
-    )
-    .bind(task.as_uuid())
-    .fetch_all(&system.pool)
-    .await
-    .expect("case");
+    let evidence = system.case_findings(task).await;
     assert!(
         evidence.iter().any(|e| e.contains("could still arrive")),
         "the case says why it waited before believing \"never received\": {evidence:?}"
@@ -317,13 +284,7 @@ async fn a_look_up_that_finds_the_work_done_with_a_bad_artifact_is_a_paid_bad_re
 
     system.wait_state(task, &["needs_human"], LONG).await;
     assert_eq!(calls(&system, "img").await, (1, 1), "paid once, and not done again");
-    let evidence: Vec<String> = sqlx::query_scalar(
-        "SELECT e->>'finding' FROM reconciler.cases, jsonb_array_elements(evidence) e WHERE task_id = $1",
-    )
-    .bind(task.as_uuid())
-    .fetch_all(&system.pool)
-    .await
-    .expect("case");
+    let evidence = system.case_findings(task).await;
     assert!(
         evidence.iter().any(|e| e.contains("paid for") && e.contains("does not match its checksum")),
         "the case says the work was paid for and the result is bad: {evidence:?}"
@@ -353,10 +314,13 @@ async fn a_look_up_that_finds_the_work_still_running_at_the_deadline_waits_for_i
     assert_eq!(calls(&system, "img").await, (1, 1), "recovered: one call in all");
 }
 
-/// Publishes what the executor says of a call lost at `call_intent` at `provider`.
+/// Publishes the grant of a call at `provider` and what the executor says of it,
+/// lost at `call_intent`.
 async fn lose_a_call(system: &System, provider: &str) -> fenceline_domain::ids::TaskId {
-    use fenceline_events::{AttemptLost, CallIntentRecorded, Event, Timestamp, topics};
+    use fenceline_events::{AttemptGranted, AttemptLost, CallIntentRecorded, Event, Timestamp, topics};
     let task = fenceline_domain::ids::TaskId::new_v7();
+    let grant = AttemptGranted { provider: provider.into(), slot: provider.into(), ..grant_of(task) };
+    system.publish(topics::DISPATCH, &Event::AttemptGranted(grant.clone())).await;
     let key = format!("key-{}", uuid::Uuid::now_v7().simple());
     let intent = CallIntentRecorded {
         task_id: task,
@@ -370,7 +334,7 @@ async fn lose_a_call(system: &System, provider: &str) -> fenceline_domain::ids::
     let lost = AttemptLost {
         task_id: task,
         attempt: 1,
-        grant_id: fenceline_domain::ids::GrantId::new_v7(),
+        grant_id: grant.grant_id,
         last_phase: fenceline_domain::vocabulary::Phase::CallIntent,
         last_phase_at: Timestamp::now(),
         step: Some("render".into()),
@@ -494,7 +458,7 @@ async fn a_retry_as_new_asks_a_provider_that_can_be_asked_again_and_pays_nothing
 
     // The provider answers look-ups again; a person decides to retry as new.
     assert_eq!(put(caps(true)).await.expect("capabilities").0, 204);
-    a_person_retries_as_new(&system, task).await;
+    system.a_person_retries_as_new(task).await;
 
     system.wait_state(task, &["succeeded"], LONG).await;
     assert_eq!(calls(&system, "img").await, (1, 1), "the look-up found the work done: nothing sent or paid again");
@@ -516,7 +480,7 @@ async fn a_retry_as_new_at_a_provider_that_dedupes_resends_the_key_in_doubt_and_
     let (state, reason) = system.state(task).await.expect("task");
     assert_eq!(state, "needs_human", "the 403 asks for a person: {reason:?}");
 
-    a_person_retries_as_new(&system, task).await;
+    system.a_person_retries_as_new(task).await;
 
     system.wait_state(task, &["succeeded"], LONG).await;
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
@@ -545,7 +509,7 @@ async fn a_second_retry_as_new_at_a_provider_that_dedupes_sends_the_key_in_doubt
         system.wait_state(task, &settled, LONG).await;
         let (state, reason) = system.state(task).await.expect("task");
         assert_eq!(state, "needs_human", "round {round}: the 403 asks for a person: {reason:?}");
-        a_person_retries_as_new(&system, task).await;
+        system.a_person_retries_as_new(task).await;
         // The decision is carried out (one more call) before the task is judged again.
         let deadline = tokio::time::Instant::now() + LONG;
         while system.provider("img").calls().await.len() < 3 + round {

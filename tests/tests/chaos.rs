@@ -4,7 +4,7 @@
 //! answers, a gateway's 404 on the look-up route, slow polls of long jobs). While
 //! 1,000 tasks arrive through intake's API (some submitted twice), every service is
 //! SIGKILLed at random moments or crashed at a named fault point, the broker is
-//! restarted once, Postgres once, and the database refuses writes for longer than
+//! restarted once, Postgres once, and the database refuses writes for 40 s, longer than
 //! the consumers' backoff once (all the run's own, so other suites run beside it).
 //! While it drains, a person resolves the cases at providers that dedupe with
 //! `retry_as_new`, twice if the retry stops again. The run is judged by the
@@ -415,7 +415,8 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         if figures.read_only_spells == 0 && started.elapsed() >= read_only_at {
             // A failover to a read-only node, longer than the consumers' backoff.
             system.refuse_writes(true).await;
-            tokio::time::sleep(Duration::from_secs(25)).await;
+            // Longer than the ten tries with backoff (about 32 s) that condemn a record.
+            tokio::time::sleep(Duration::from_secs(40)).await;
             system.refuse_writes(false).await;
             figures.read_only_spells += 1;
             continue;

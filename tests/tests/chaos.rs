@@ -4,8 +4,8 @@
 //! answers, a gateway's 404 on the look-up route, slow polls of long jobs). While
 //! 1,000 tasks arrive through intake's API (some submitted twice), every service is
 //! SIGKILLed at random moments or crashed at a named fault point, the broker is
-//! restarted once, Postgres once, and the database refuses writes for 40 s, longer than
-//! the consumers' backoff once (all the run's own, so other suites run beside it).
+//! restarted once, Postgres once, and the database refuses writes once for 40 s,
+//! longer than the consumers' backoff (all the run's own, so other suites run beside it).
 //! While it drains, a person resolves the cases at providers that dedupe with
 //! `retry_as_new`, twice if the retry stops again. The run is judged by the
 //! providers' own logs.

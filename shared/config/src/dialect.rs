@@ -246,7 +246,19 @@ pub fn template_environment() -> minijinja::Environment<'static> {
     let mut env = minijinja::Environment::new();
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
     env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
+    env.add_filter("tojson", strict_tojson);
     env
+}
+
+/// `tojson` that refuses an undefined value (the built-in would print `null`, and
+/// a body would silently lack what the input lacks).
+fn strict_tojson(value: minijinja::Value) -> Result<minijinja::Value, minijinja::Error> {
+    if value.is_undefined() {
+        return Err(minijinja::Error::new(minijinja::ErrorKind::UndefinedError, "tojson of an undefined value"));
+    }
+    let text = serde_json::to_string(&value)
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(minijinja::Value::from_safe_string(text))
 }
 
 /// Whether `pointer` is a JSON pointer (RFC 6901): empty, or `/`-separated

@@ -75,7 +75,7 @@ pub enum ResultForm {
 }
 
 /// How an answer is read: statuses, JSON pointers (RFC 6901) and job states.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DialectAnswer {
     #[serde(default)]
@@ -103,23 +103,6 @@ pub struct DialectAnswer {
     /// Vendor error type → error class (`insufficient_quota` → `not_authorised`).
     #[serde(default)]
     pub error_classes: BTreeMap<String, String>,
-}
-
-impl Default for DialectAnswer {
-    fn default() -> Self {
-        DialectAnswer {
-            statuses: DialectStatuses::default(),
-            request_id: None,
-            state: None,
-            result: String::new(),
-            result_form: ResultForm::default(),
-            running_states: BTreeSet::new(),
-            succeeded_states: BTreeSet::new(),
-            failed_states: BTreeSet::new(),
-            error_type: None,
-            error_classes: BTreeMap::new(),
-        }
-    }
 }
 
 /// Which statuses mean what; the defaults are the protocol's error table.

@@ -388,6 +388,14 @@ impl Catalog {
         }
         for (name, provider) in &catalog.providers {
             if let Some(dialect) = &provider.dialect {
+                if provider.auth_header_env.is_some()
+                    && dialect.request.headers.keys().any(|h| h.eq_ignore_ascii_case("authorization"))
+                {
+                    return Err(Error(format!(
+                        "provider `{name}`: dialect.request.headers.Authorization: the credential comes from \
+                         auth_header_env; a template would send a second Authorization header"
+                    )));
+                }
                 let caps = &provider.capabilities;
                 let earlier = catalog.steps_before_calls_to(name);
                 crate::dialect::check(name, dialect, caps.idempotency_keys, caps.lookup, &earlier)?;
@@ -521,6 +529,7 @@ mod tests {
                 "img": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
                         "rate_per_second": 5, "burst": 5},
                 "llm": {"base_url": "http://llm", "call_timeout_ms": 1000, "concurrency": 2,
+                        "auth_header_env": "LLM_AUTHORIZATION",
                         "rate_per_second": 5, "burst": 5, "capabilities": capabilities, "dialect": dialect}
             },
             "kinds": {"ticket.triage": {"steps": [
@@ -609,6 +618,11 @@ mod tests {
                 "throttled: 400 is also listed under `rejected`",
             ),
             (edit(&|d| d["poll"] = serde_json::json!({})), none.clone(), "dialect.poll: needs `url`"),
+            (
+                edit(&|d| d["request"]["headers"] = serde_json::json!({"authorization": "Bearer {{ input.k }}"})),
+                none.clone(),
+                "the credential comes from auth_header_env",
+            ),
             // A dialect's throttled 503 is an override like any other: only a declared-safe 5xx may have it.
             (
                 edit(&|d| d["answer"]["statuses"]["throttled"] = serde_json::json!([429, 503])),

@@ -10,6 +10,7 @@ mod cli;
 mod commits;
 mod dashboard;
 mod databases;
+mod dialects;
 mod evidence;
 mod fairness;
 mod intake;

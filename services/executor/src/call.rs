@@ -56,7 +56,7 @@ impl Workers {
         shutdown: &CancellationToken,
         ends: Ends,
         finishes: bool,
-    ) -> Result<Option<ArtifactRef>, Stop> {
+    ) -> Result<Option<StepResult>, Stop> {
         let Some((provider_name, operation)) = step.call() else {
             return Ok(None);
         };
@@ -156,7 +156,7 @@ impl Workers {
         }
         let call =
             Call { step: &step.name, provider, operation, key: &key, seq, window, budget_ends: ends.budget, finishes };
-        let answer = provider.start(operation, input.clone(), &key).await;
+        let answer = provider.start_task(&lease.task_id.to_string(), operation, input.clone(), &key).await;
         fault!("executor.after_provider_answer");
         self.follow(lease, &call, input, answer).await
     }
@@ -173,7 +173,7 @@ impl Workers {
         lease: &mut Lease,
         earlier: &Call<'_>,
         input: &serde_json::Value,
-    ) -> Result<Option<Option<ArtifactRef>>, Stop> {
+    ) -> Result<Option<Option<StepResult>>, Stop> {
         let answer = match earlier.provider.lookup(earlier.key).await {
             Lookup::Found { request_id, result: Some(result) } => CallAnswer::Done { request_id, result },
             Lookup::Found { request_id, result: None } => CallAnswer::Accepted { request_id },
@@ -235,7 +235,7 @@ impl Workers {
         call: &Call<'_>,
         input: serde_json::Value,
         mut answer: CallAnswer,
-    ) -> Result<Option<ArtifactRef>, Stop> {
+    ) -> Result<Option<StepResult>, Stop> {
         let backoff = Backoff {
             base: Duration::from_millis(self.settings.poll_ms.max(1)),
             cap: CALL_BACKOFF_CAP.max(Duration::from_millis(self.settings.poll_ms)),
@@ -295,7 +295,8 @@ impl Workers {
                             if !self.may_send(lease, call.window).await? {
                                 return Err(Stop::LeaseLapsed);
                             }
-                            answer = call.provider.start(call.operation, input.clone(), call.key).await;
+                            let task_id = lease.task_id.to_string();
+                            answer = call.provider.start_task(&task_id, call.operation, input.clone(), call.key).await;
                         }
                         (NextMove::Fail { classification: c, new_key }, _) => {
                             let new_key =
@@ -328,7 +329,7 @@ impl Workers {
         call: &Call<'_>,
         request_id: &str,
         result: ProviderResult,
-    ) -> Result<Option<ArtifactRef>, Stop> {
+    ) -> Result<Option<StepResult>, Stop> {
         // The provider did the work: it charges for it, whatever the verification finds.
         fenceline_telemetry::metrics::global()
             .provider_charges
@@ -359,8 +360,7 @@ impl Workers {
                 }
             }
         }
-        let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
-        let output = serde_json::to_value(&artifact).unwrap_or_default();
+        let (artifact, output) = step_output(lease.task_id, lease.generation, call.step, result);
         let finishing = call.finishes.then_some(&artifact);
         match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256), finishing).await {
             Ok(()) => {}
@@ -384,7 +384,7 @@ impl Workers {
             Err(e) => return Err(e),
         }
         fault!("executor.after_result_recorded");
-        Ok(Some(artifact))
+        Ok(Some(StepResult { artifact, output }))
     }
 
     /// Whether the task's deadline has passed for a call with `key`: never for a
@@ -455,6 +455,42 @@ impl Workers {
     }
 }
 
+/// A step's verified result: its reference (the attempt's result when it is the
+/// last step) and its output, what later steps see as `steps.<name>`.
+#[derive(Debug, Clone)]
+pub(crate) struct StepResult {
+    pub artifact: ArtifactRef,
+    pub output: serde_json::Value,
+}
+
+/// The reference and the output of a verified result. An artifact's output is its
+/// reference; an inline result's (a dialect's JSON value) is the value, referred
+/// to as `inline:<task>/<generation>/<step>` with the sha256 and size of its
+/// canonical JSON text.
+fn step_output(
+    task_id: fenceline_domain::ids::TaskId,
+    generation: i32,
+    step: &str,
+    result: ProviderResult,
+) -> (ArtifactRef, serde_json::Value) {
+    match result.inline {
+        Some(value) => {
+            let uri = inline_uri(task_id, generation, step);
+            (ArtifactRef { uri, sha256: result.sha256, size_bytes: result.size_bytes }, value)
+        }
+        None => {
+            let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
+            let output = serde_json::to_value(&artifact).unwrap_or_default();
+            (artifact, output)
+        }
+    }
+}
+
+/// The reference of an inline result checkpointed by `generation` of the task.
+pub(crate) fn inline_uri(task_id: fenceline_domain::ids::TaskId, generation: i32, step: &str) -> String {
+    format!("{}{task_id}/{generation}/{step}", fenceline_providers::dialect::INLINE_URI_SCHEME)
+}
+
 /// One call in progress: what a retry of the same request needs.
 struct Call<'a> {
     step: &'a str,
@@ -498,5 +534,29 @@ fn describe(outcome: &CallOutcome, detail: Option<&str>) -> String {
     match detail {
         Some(detail) => format!("{said}: {detail}"),
         None => said,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fenceline_domain::ids::TaskId;
+
+    #[test]
+    fn an_inline_result_is_the_steps_output_and_is_referred_to_where_it_was_checkpointed() {
+        let task = TaskId::from_uuid(uuid::Uuid::from_u128(7));
+        let message = serde_json::json!({"role": "assistant", "content": "Hi"});
+        let result = fenceline_providers::dialect::inline_result(&message, 1024).expect("within the limit");
+        let (artifact, output) = step_output(task, 2, "draft", result.clone());
+        assert_eq!(output, message, "later steps see the value itself");
+        assert_eq!(artifact.uri, format!("inline:{task}/2/draft"));
+        assert_eq!((artifact.sha256.as_str(), artifact.size_bytes), (result.sha256.as_str(), result.size_bytes));
+        // Read back from its checkpoint, it is the same reference.
+        assert_eq!(crate::worker::checkpointed_result(task, 2, "draft", &output), artifact);
+        // An artifact's output is its reference, as before.
+        let file = ProviderResult { uri: "http://p/a".into(), sha256: "ab".into(), size_bytes: 3, inline: None };
+        let (artifact, output) = step_output(task, 0, "render", file);
+        assert_eq!(output, serde_json::json!({"uri": "http://p/a", "sha256": "ab", "size_bytes": 3}));
+        assert_eq!(crate::worker::checkpointed_result(task, 0, "render", &output), artifact);
     }
 }

@@ -88,8 +88,9 @@ struct ClaimRow {
     traceparent: Option<String>,
 }
 
-/// The outputs of the steps of a generation already checkpointed, by step name.
-type Checkpoints = HashMap<String, serde_json::Value>;
+/// The outputs of the steps already checkpointed, by step name, with the
+/// generation that checkpointed each.
+type Checkpoints = HashMap<String, (serde_json::Value, i32)>;
 
 /// Taken off every lease this worker believes it holds: the hop from a check to
 /// the request's first byte (the blocking pool, a busy runtime) and any drift of
@@ -342,8 +343,8 @@ impl Workers {
         // the steps before it were checkpointed only after their results were verified
         // (an approval only after it was given), so they are kept, not paid for again.
         // Steps run in order, so no earlier generation holds a step after the doubt.
-        let done: Vec<(String, serde_json::Value)> = sqlx::query_as(
-            "SELECT DISTINCT ON (step) step, output FROM checkpoints \
+        let done: Vec<(String, serde_json::Value, i32)> = sqlx::query_as(
+            "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
              WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
         )
         .bind(claim.task_id)
@@ -356,7 +357,7 @@ impl Workers {
             fenceline_telemetry::metrics::global().leases_taken_over.inc();
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
-        Ok(Some((claim, done.into_iter().collect())))
+        Ok(Some((claim, done.into_iter().map(|(step, output, generation)| (step, (output, generation))).collect())))
     }
 
     async fn execute(
@@ -457,9 +458,9 @@ impl Workers {
         let mut outputs = serde_json::Map::new();
         let mut last: Option<ArtifactRef> = None;
         for (index, step) in kind.steps.iter().enumerate() {
-            if let Some(output) = done.get(&step.name) {
-                if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
-                    last = Some(artifact);
+            if let Some((output, generation)) = done.get(&step.name) {
+                if step.call().is_some() {
+                    last = Some(checkpointed_result(lease.task_id, *generation, &step.name, output));
                 }
                 outputs.insert(step.name.clone(), output.clone());
                 continue;
@@ -484,8 +485,8 @@ impl Workers {
                             return Ok(());
                         }
                         Some(result) => {
-                            outputs.insert(step.name.clone(), serde_json::to_value(&result).unwrap_or_default());
-                            last = Some(result);
+                            outputs.insert(step.name.clone(), result.output);
+                            last = Some(result.artifact);
                         }
                         None => return Ok(()),
                     }
@@ -514,6 +515,29 @@ impl Workers {
         let transition = Transition::to(Phase::StepStarted).step(step).status(Status::Released);
         self.record(lease, transition, &events).await?;
         Ok(())
+    }
+}
+
+/// The result of a call step checkpointed earlier: an artifact's reference is its
+/// output; any other output is an inline result, referred to by where it was
+/// checkpointed and hashed as it was (its canonical JSON text).
+pub(crate) fn checkpointed_result(
+    task_id: TaskId,
+    generation: i32,
+    step: &str,
+    output: &serde_json::Value,
+) -> ArtifactRef {
+    if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
+        return artifact;
+    }
+    let text = fenceline_providers::dialect::canonical_json(output);
+    ArtifactRef {
+        uri: crate::call::inline_uri(task_id, generation, step),
+        sha256: {
+            use sha2::{Digest, Sha256};
+            hex::encode(Sha256::digest(text.as_bytes()))
+        },
+        size_bytes: i64::try_from(text.len()).unwrap_or(i64::MAX),
     }
 }
 

@@ -1,6 +1,9 @@
 //! The fake provider: a real HTTP service that speaks Fenceline's provider protocol
 //! (docs/provider-protocol.md), records every call it receives and keeps a billing
-//! ledger, so tests count what was charged. It misbehaves on request.
+//! ledger, so tests count what was charged. It misbehaves on request. It also
+//! serves an OpenAI-compatible chat completions endpoint (`chat.rs`) for dialects.
+
+mod chat;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -799,6 +802,7 @@ impl App {
                 .route("/v1/operations", web::post().to(start))
                 .route("/v1/operations", web::get().to(lookup))
                 .route("/v1/operations/{request_id}", web::get().to(poll))
+                .route("/v1/chat/completions", web::post().to(chat::chat_completions))
                 .route("/artifacts/{request_id}", web::get().to(artifact))
                 .route("/admin/calls", web::get().to(calls))
                 .route("/admin/ledger", web::get().to(ledger))

@@ -477,3 +477,39 @@ async fn limits_answer_429_beyond_the_calls_running_at_once_and_per_second_and_c
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     assert_eq!(operate(&q, "r9").await.expect("answer").0, 200, "a second later there is room");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_are_charged_like_operations_and_misbehave_by_the_same_rules() {
+    let p = start(Capabilities::default()).await;
+    let chat = || async {
+        let body = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hello"}]});
+        send("POST", format!("{}/v1/chat/completions", p.base), None, Some(body), T).await
+    };
+    let (status, _, body) = chat().await.expect("answer");
+    assert_eq!(status, 200);
+    assert!(body["id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")), "{body}");
+    assert_eq!(
+        body["choices"][0]["message"],
+        json!({"role": "assistant", "content": "You said: hello", "refusal": null})
+    );
+    assert_eq!(ledger_total(&p).await, 4);
+
+    // A gateway's 504 after the work: charged, and the answer is a bare page.
+    rule(&p, json!({"operation": "chat.completions", "status_after_work": 504, "bare": true, "times": 1})).await;
+    let (status, _, body) = chat().await.expect("answer");
+    assert_eq!((status, body), (504, Value::Null));
+    assert_eq!(ledger_total(&p).await, 8, "the work behind the gateway was charged");
+
+    // A throttle does nothing, in OpenAI's error shape.
+    rule(&p, json!({"status": 429, "retry_after_s": 2, "times": 1})).await;
+    let (status, retry_after, body) = chat().await.expect("answer");
+    assert_eq!((status, retry_after.as_deref(), body["error"]["type"].as_str()), (429, Some("2"), Some("requests")));
+    assert_eq!(ledger_total(&p).await, 8);
+
+    let (status, _, body) =
+        send("POST", format!("{}/v1/chat/completions", p.base), None, Some(json!({"model": "m"})), T).await.expect("a");
+    assert_eq!((status, body["error"]["type"].as_str()), (400, Some("invalid_request_error")));
+    let (_, _, all) = send("GET", format!("{}/admin/calls", p.base), None, None, T).await.expect("calls");
+    let outcomes: Vec<&str> = all.as_array().expect("calls").iter().filter_map(|c| c["outcome"].as_str()).collect();
+    assert_eq!(outcomes, ["succeeded", "status_after_work:504", "status:429"]);
+}

@@ -12,6 +12,7 @@ use fenceline_domain::limits::AdaptivePolicy;
 use fenceline_domain::vocabulary::ErrorClass;
 use serde::Deserialize;
 
+use crate::dialect::DialectSpec;
 use crate::{Error, require_nested};
 
 /// Everything the catalogue file declares.
@@ -64,6 +65,10 @@ pub struct ProviderSpec {
     /// no client certificate).
     #[serde(default)]
     pub tls: ProviderTls,
+    /// How to call a provider that speaks its own HTTP API instead of Fenceline's
+    /// protocol (docs/catalog.md, "Dialects"); absent: the protocol.
+    #[serde(default)]
+    pub dialect: Option<DialectSpec>,
 }
 
 /// TLS settings of one provider. Paths are read when a service starts; relative
@@ -216,9 +221,22 @@ impl ProviderSpec {
         self.call_timeout() + Duration::from_millis(self.registration_ms)
     }
 
-    /// The status-code overrides, typed.
+    /// The status-code overrides, typed: a dialect's throttled, rejected and not
+    /// authorised statuses, then the entry's own `status_overrides` over them.
     pub fn overrides(&self) -> HashMap<u16, ErrorClass> {
-        self.status_overrides.iter().filter_map(|(code, class)| Some((*code, class.parse().ok()?))).collect()
+        let mut overrides = HashMap::new();
+        if let Some(dialect) = &self.dialect {
+            let statuses = &dialect.answer.statuses;
+            for (list, class) in [
+                (&statuses.throttled, ErrorClass::Throttled),
+                (&statuses.rejected, ErrorClass::Rejected),
+                (&statuses.not_authorised, ErrorClass::NotAuthorised),
+            ] {
+                overrides.extend(list.iter().map(|status| (*status, class)));
+            }
+        }
+        overrides.extend(self.status_overrides.iter().filter_map(|(code, class)| Some((*code, class.parse().ok()?))));
+        overrides
     }
 
     /// How this provider's answers are read (docs/provider-protocol.md).
@@ -302,14 +320,17 @@ impl Catalog {
                     )));
                 }
             }
-            for (status, class) in &provider.status_overrides {
-                let class = class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
+            for class in provider.status_overrides.values() {
+                class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
+            }
+            for (status, class) in &provider.overrides() {
+                let class = *class;
                 // An undeclared 5xx may have done the work: an override must not hide that.
                 if (500..=599).contains(status) && class != ErrorClass::Ambiguous && !provider.safe_5xx.contains(status)
                 {
                     return Err(Error(format!(
-                        "provider `{name}`: status_overrides maps {status} to `{class}`, but {status} may have done \
-                         the work unless it is listed in safe_5xx"
+                        "provider `{name}`: status_overrides (or dialect.answer.statuses) maps {status} to `{class}`, \
+                         but {status} may have done the work unless it is listed in safe_5xx"
                     )));
                 }
             }
@@ -365,7 +386,36 @@ impl Catalog {
                 return Err(Error(format!("kind `{kind}` makes no provider call")));
             }
         }
+        for (name, provider) in &catalog.providers {
+            if let Some(dialect) = &provider.dialect {
+                if provider.auth_header_env.is_some()
+                    && dialect.request.headers.keys().any(|h| h.eq_ignore_ascii_case("authorization"))
+                {
+                    return Err(Error(format!(
+                        "provider `{name}`: dialect.request.headers.Authorization: the credential comes from \
+                         auth_header_env; a template would send a second Authorization header"
+                    )));
+                }
+                let caps = &provider.capabilities;
+                let earlier = catalog.steps_before_calls_to(name);
+                crate::dialect::check(name, dialect, caps.idempotency_keys, caps.lookup, &earlier)?;
+            }
+        }
         Ok(catalog)
+    }
+
+    /// For every step of every kind that calls `provider`, the names of the steps
+    /// that run before it: what that call's templates may read under `steps`.
+    pub fn steps_before_calls_to(&self, provider: &str) -> Vec<BTreeSet<&str>> {
+        let mut sets = Vec::new();
+        for kind in self.kinds.values() {
+            for (index, step) in kind.steps.iter().enumerate() {
+                if step.call().is_some_and(|(p, _)| p == provider) {
+                    sets.push(kind.steps[..index].iter().map(|s| s.name.as_str()).collect());
+                }
+            }
+        }
+        sets
     }
 
     pub fn kind(&self, kind: &str) -> Option<&KindSpec> {
@@ -468,6 +518,133 @@ mod tests {
         for (text, expected) in cases {
             let err = Catalog::parse(&text).expect_err(expected).to_string();
             assert!(err.contains(expected), "{err} should mention {expected}");
+        }
+    }
+
+    /// A catalogue with an OpenAI-compatible chat provider and a kind that drafts
+    /// from a classification.
+    fn with_dialect(dialect: serde_json::Value, capabilities: serde_json::Value) -> String {
+        serde_json::json!({
+            "providers": {
+                "img": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
+                        "rate_per_second": 5, "burst": 5},
+                "llm": {"base_url": "http://llm", "call_timeout_ms": 1000, "concurrency": 2,
+                        "auth_header_env": "LLM_AUTHORIZATION",
+                        "rate_per_second": 5, "burst": 5, "capabilities": capabilities, "dialect": dialect}
+            },
+            "kinds": {"ticket.triage": {"steps": [
+                {"name": "classify", "provider": "img"},
+                {"name": "draft", "provider": "llm"}
+            ], "attempt_budget_ms": 5000}}
+        })
+        .to_string()
+    }
+
+    fn chat_dialect() -> serde_json::Value {
+        serde_json::json!({
+            "request": {
+                "path": "/v1/chat/completions",
+                "body": "{\"model\": {{ input.model | tojson }}, \"messages\": {{ input.messages | tojson }}, \"user\": {{ steps.classify.uri | tojson }}}"
+            },
+            "answer": {"request_id": "/id", "result": "/choices/0/message", "error_type": "/error/type",
+                       "error_classes": {"insufficient_quota": "not_authorised"},
+                       "statuses": {"throttled": [429]}},
+            "throttling": {"reset_headers": ["x-ratelimit-reset-requests"]}
+        })
+    }
+
+    #[test]
+    fn a_dialect_is_optional_and_checked_at_load() {
+        assert!(Catalog::parse(GOOD).expect("valid").provider("img").expect("img").dialect.is_none());
+        let mut dialect = chat_dialect();
+        dialect["answer"]["statuses"] = serde_json::json!({});
+        let catalog = Catalog::parse(&with_dialect(dialect, serde_json::json!({}))).expect("valid");
+        let llm = catalog.provider("llm").expect("llm");
+        let spec = llm.dialect.as_ref().expect("a dialect");
+        assert_eq!(spec.request.method, "POST");
+        assert_eq!(spec.max_inline_result_bytes, 1024 * 1024);
+        assert_eq!(spec.error_classes().get("insufficient_quota"), Some(&ErrorClass::NotAuthorised));
+        let overrides = llm.overrides();
+        assert_eq!(overrides.get(&429), Some(&ErrorClass::Throttled));
+        assert_eq!(overrides.get(&422), Some(&ErrorClass::Rejected));
+        assert_eq!(overrides.get(&402), Some(&ErrorClass::NotAuthorised));
+        assert_eq!(catalog.steps_before_calls_to("llm"), vec![BTreeSet::from(["classify"])]);
+    }
+
+    #[test]
+    fn a_dialect_that_does_not_check_out_is_refused_naming_provider_field_and_reason() {
+        let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut dialect = chat_dialect();
+            f(&mut dialect);
+            dialect
+        };
+        let none = serde_json::json!({});
+        let cases = [
+            (
+                edit(&|d| d["request"]["path"] = "/v1/{{ input.model ".into()),
+                none.clone(),
+                "dialect.request.path: the template does not parse",
+            ),
+            (
+                edit(&|d| d["request"]["headers"] = serde_json::json!({"X-Draft": "{{ steps.draft.content }}"})),
+                none.clone(),
+                "dialect.request.headers.X-Draft: the template reads `steps.draft`",
+            ),
+            (edit(&|d| d["request"]["body"] = "{{ steps.nope | tojson }}".into()), none.clone(), "reads `steps.nope`"),
+            (
+                edit(&|d| d["answer"]["result"] = "choices/0".into()),
+                none.clone(),
+                "dialect.answer.result: `choices/0` is not a JSON pointer",
+            ),
+            (
+                edit(&|d| d["answer"]["request_id"] = "/a~2b".into()),
+                none.clone(),
+                "dialect.answer.request_id: `/a~2b` is not a JSON pointer",
+            ),
+            (
+                chat_dialect(),
+                serde_json::json!({"idempotency_keys": true}),
+                "dialect.idempotency_header: the provider claims `idempotency_keys`",
+            ),
+            (
+                edit(&|d| d["answer"]["error_classes"]["server_error"] = "fine".into()),
+                none.clone(),
+                "dialect.answer.error_classes.server_error",
+            ),
+            (edit(&|d| d["request"]["form"] = serde_json::json!({"a": "b"})), none.clone(), "not both"),
+            (
+                edit(&|d| d["answer"]["statuses"] = serde_json::json!({"throttled": [429, 400]})),
+                none.clone(),
+                "throttled: 400 is also listed under `rejected`",
+            ),
+            (edit(&|d| d["poll"] = serde_json::json!({})), none.clone(), "dialect.poll: needs `url`"),
+            (
+                edit(&|d| d["request"]["headers"] = serde_json::json!({"authorization": "Bearer {{ input.k }}"})),
+                none.clone(),
+                "the credential comes from auth_header_env",
+            ),
+            // A dialect's throttled 503 is an override like any other: only a declared-safe 5xx may have it.
+            (
+                edit(&|d| d["answer"]["statuses"]["throttled"] = serde_json::json!([429, 503])),
+                none.clone(),
+                "maps 503 to `throttled`",
+            ),
+        ];
+        for (dialect, capabilities, expected) in cases {
+            let text = with_dialect(dialect, capabilities);
+            let err = Catalog::parse(&text).expect_err(expected).to_string();
+            assert!(err.contains("provider `llm`") && err.contains(expected), "{err} should mention {expected}");
+        }
+    }
+
+    #[test]
+    fn json_pointers_follow_rfc_6901() {
+        use crate::dialect::is_json_pointer;
+        for good in ["", "/", "/choices/0/message", "/a~0b/c~1d", "/error/type"] {
+            assert!(is_json_pointer(good), "{good}");
+        }
+        for bad in ["choices", "/a~", "/a~2", "#/a"] {
+            assert!(!is_json_pointer(bad), "{bad}");
         }
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::Args;
 
 pub mod catalog;
+pub mod dialect;
 
 /// A configuration that parsed but does not make sense as a whole.
 #[derive(Debug, thiserror::Error)]

@@ -35,6 +35,10 @@ pub enum CallOutcome {
         /// (`application/problem+json`). Without it the answer may come from a
         /// gateway in front of the provider, which cannot vouch for the work.
         problem_body: bool,
+        /// The class the provider's own error body named (a dialect's
+        /// `error_classes`, docs/catalog.md): it decides before the status, except
+        /// that a 5xx the provider could not vouch for stays ambiguous.
+        class_named: Option<ErrorClass>,
     },
     /// Sent, and then no answer in time.
     TimedOutAfterSend,
@@ -101,7 +105,7 @@ impl ErrorTable {
 
     /// Whether an answer to a start says the same key is still being worked on.
     fn in_progress(&self, outcome: &CallOutcome) -> bool {
-        matches!(outcome, CallOutcome::Answered { status: 409, .. })
+        matches!(outcome, CallOutcome::Answered { status: 409, class_named: None, .. })
             && self.dedupes
             && !self.overrides.contains_key(&409)
     }
@@ -117,10 +121,15 @@ pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classificat
         CallOutcome::TimedOutAfterSend | CallOutcome::ResetMidResponse => {
             Some(Classification::of(ErrorClass::Ambiguous, None))
         }
-        CallOutcome::Answered { status, retry_after, problem_body } => {
+        CallOutcome::Answered { status, retry_after, problem_body, class_named } => {
             let of = Classification::of;
             if (500..=599).contains(status) && !table.vouches_for(*status, *problem_body) {
                 return Some(of(ErrorClass::Ambiguous, None));
+            }
+            if let Some(class) = class_named
+                && !(200..=299).contains(status)
+            {
+                return Some(of(*class, *retry_after));
             }
             if let Some(class) = table.overrides.get(status) {
                 return Some(of(*class, *retry_after));
@@ -368,15 +377,38 @@ mod tests {
     use super::*;
 
     fn answered(status: u16) -> CallOutcome {
-        CallOutcome::Answered { status, retry_after: None, problem_body: true }
+        CallOutcome::Answered { status, retry_after: None, problem_body: true, class_named: None }
     }
 
     fn bare(status: u16) -> CallOutcome {
-        CallOutcome::Answered { status, retry_after: None, problem_body: false }
+        CallOutcome::Answered { status, retry_after: None, problem_body: false, class_named: None }
     }
 
     fn safe(statuses: &[u16]) -> ErrorTable {
         ErrorTable { safe_5xx: statuses.iter().copied().collect(), ..ErrorTable::default() }
+    }
+
+    #[test]
+    fn a_class_the_providers_own_body_names_decides_except_for_a_5xx_it_cannot_vouch_for() {
+        let named = |status: u16, class: ErrorClass, problem_body: bool| CallOutcome::Answered {
+            status,
+            retry_after: None,
+            problem_body,
+            class_named: Some(class),
+        };
+        let class = |outcome: &CallOutcome, table: &ErrorTable| classify(outcome, table).map(|c| c.class);
+        // OpenAI's `insufficient_quota` arrives as a 429: it is no throttle but a bill to pay.
+        let quota = named(429, ErrorClass::NotAuthorised, true);
+        assert_eq!(class(&quota, &ErrorTable::default()), Some(ErrorClass::NotAuthorised));
+        // A 5xx may have done the work unless declared safe: a named class does not change that.
+        let server = named(500, ErrorClass::ProviderFailed, true);
+        assert_eq!(class(&server, &ErrorTable::default()), Some(ErrorClass::Ambiguous));
+        assert_eq!(class(&server, &safe(&[500])), Some(ErrorClass::ProviderFailed));
+        assert_eq!(class(&named(504, ErrorClass::Throttled, true), &safe(&[503])), Some(ErrorClass::Ambiguous));
+        // A 409 whose body names its class is not "the same key still runs".
+        let table = ErrorTable { dedupes: true, keyed: true, ..ErrorTable::default() };
+        assert!(!table.in_progress(&named(409, ErrorClass::Rejected, true)));
+        assert!(table.in_progress(&answered(409)));
     }
 
     #[test]
@@ -397,7 +429,12 @@ mod tests {
         let class = |o: &CallOutcome| classify(o, &none).map(|c| c.class);
         assert_eq!(class(&CallOutcome::NotSent), Some(ErrorClass::NotSent));
         let throttled = classify(
-            &CallOutcome::Answered { status: 429, retry_after: Some(Duration::from_secs(7)), problem_body: true },
+            &CallOutcome::Answered {
+                status: 429,
+                retry_after: Some(Duration::from_secs(7)),
+                problem_body: true,
+                class_named: None,
+            },
             &none,
         )
         .expect("error");
@@ -489,8 +526,12 @@ mod tests {
                 (ErrorClass::Ambiguous, true, false)
             );
         }
-        let throttled =
-            CallOutcome::Answered { status: 429, retry_after: Some(Duration::from_secs(3)), problem_body: true };
+        let throttled = CallOutcome::Answered {
+            status: 429,
+            retry_after: Some(Duration::from_secs(3)),
+            problem_body: true,
+            class_named: None,
+        };
         assert_eq!(
             poll(&throttled, 0, plenty),
             NextMove::PollAgainIn(Duration::from_secs(3)),
@@ -523,8 +564,12 @@ mod tests {
     fn a_409_for_a_key_still_running_is_waited_for_and_sent_again_with_the_same_key() {
         let backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
         let table = ErrorTable { dedupes: true, ..ErrorTable::default() };
-        let conflict =
-            CallOutcome::Answered { status: 409, retry_after: Some(Duration::from_secs(1)), problem_body: true };
+        let conflict = CallOutcome::Answered {
+            status: 409,
+            retry_after: Some(Duration::from_secs(1)),
+            problem_body: true,
+            class_named: None,
+        };
         let start = |tries, left| after_outcome(CallStage::Sent, &conflict, &table, tries, left, &backoff, 0.5);
         assert_eq!(start(0, Duration::from_secs(60)), NextMove::ResendIn(Duration::from_secs(1)));
         assert_eq!(start(5, Duration::from_secs(60)), NextMove::ResendIn(Duration::from_secs(1)));

@@ -4,6 +4,7 @@
 //! retry layer, and a retried paid call is exactly what Fenceline must not do
 //! behind anyone's back.
 
+pub mod dialect;
 mod tls;
 
 use std::time::Duration;
@@ -25,6 +26,11 @@ pub struct ProviderResult {
     pub uri: String,
     pub sha256: String,
     pub size_bytes: i64,
+    /// A result that is a JSON value rather than an artifact (a dialect's inline
+    /// result): `sha256` and `size_bytes` are of its canonical JSON text, and it
+    /// needs no download.
+    #[serde(skip)]
+    pub inline: Option<serde_json::Value>,
 }
 
 /// What starting or polling an operation came to.
@@ -77,6 +83,10 @@ pub struct HttpProvider {
     artifact_agent: ureq::Agent,
     /// What the provider's certificate is checked against, for error messages.
     roots: std::sync::Arc<str>,
+    /// How to speak to a provider that does not speak the protocol; `None`: the protocol.
+    dialect: Option<std::sync::Arc<dialect::Dialect>>,
+    /// Poll URLs accepting answers named, by request id (a dialect's `poll.url`).
+    poll_urls: std::sync::Arc<std::sync::Mutex<HashMap<String, String>>>,
 }
 
 /// How many redirects an artifact download follows.
@@ -122,6 +132,12 @@ impl HttpProvider {
         // and verification are free to repeat and keep their connections. The
         // protocol's own calls follow no redirect; an artifact may live elsewhere.
         let (agent, call_agent, artifact_agent) = (config(true, 0), config(false, 0), config(true, ARTIFACT_REDIRECTS));
+        let dialect = match &spec.dialect {
+            Some(spec) => Some(std::sync::Arc::new(
+                dialect::Dialect::new(spec).map_err(|reason| Error::Dialect { provider: name.to_owned(), reason })?,
+            )),
+            None => None,
+        };
         Ok(Self {
             name: name.to_owned(),
             base_url: spec.base_url.trim_end_matches('/').to_owned(),
@@ -132,6 +148,8 @@ impl HttpProvider {
             call_agent,
             artifact_agent,
             roots: tls.roots.into(),
+            dialect,
+            poll_urls: Default::default(),
         })
     }
 
@@ -188,6 +206,23 @@ impl HttpProvider {
     /// Starts an operation. The operation key travels as `Idempotency-Key` when
     /// the provider dedupes or looks up by it (a look-up needs the key it was sent).
     pub async fn start(&self, operation: &str, input: serde_json::Value, operation_key: &str) -> CallAnswer {
+        self.start_task("", operation, input, operation_key).await
+    }
+
+    /// Starts an operation of task `task_id`: by the protocol, with `envelope` (the
+    /// step envelope `{"task": <input>, "steps": {...}}`) as its input; or by the
+    /// provider's dialect, with the envelope as its templates' context.
+    pub async fn start_task(
+        &self,
+        task_id: &str,
+        operation: &str,
+        envelope: serde_json::Value,
+        operation_key: &str,
+    ) -> CallAnswer {
+        if let Some(dialect) = self.dialect.clone() {
+            return self.start_dialect(&dialect, task_id, envelope, operation_key).await;
+        }
+        let input = envelope;
         let this = self.clone();
         let key = operation_key.to_owned();
         let body = serde_json::json!({ "operation": operation, "input": input });
@@ -211,8 +246,126 @@ impl HttpProvider {
         answer
     }
 
+    /// Starts an operation at a dialect provider: renders its request (a template
+    /// that fails sends nothing) and reads the answer by the dialect.
+    async fn start_dialect(
+        &self,
+        dialect: &std::sync::Arc<dialect::Dialect>,
+        task_id: &str,
+        envelope: serde_json::Value,
+        operation_key: &str,
+    ) -> CallAnswer {
+        let context = dialect::Dialect::context(&envelope, task_id, operation_key);
+        let request = match dialect.request(&context, operation_key) {
+            Ok(request) => request,
+            Err(why) => {
+                let detail = format!("the request could not be built from the dialect of `{}`: {why}", self.name);
+                return CallAnswer::Outcome(CallOutcome::NotSent, Some(detail));
+            }
+        };
+        let (span, traceparent) = self.exchange_span("start");
+        let this = self.clone();
+        let dialect = dialect.clone();
+        let reading = blocking(move || {
+            let url = format!("{}{}", this.base_url, request.path);
+            let mut builder = ureq::http::Request::builder().method(request.method.as_str()).uri(url);
+            for (name, value) in &request.headers {
+                builder = builder.header(name.as_str(), value.as_str());
+            }
+            if let Some(auth) = &this.auth_header {
+                builder = builder.header("Authorization", auth.expose_secret());
+            }
+            if let Some(traceparent) = &traceparent {
+                builder = builder.header(TRACEPARENT, traceparent.as_str());
+            }
+            let sent = match request.body {
+                Some((body, mime)) => match builder.header("Content-Type", mime).body(body) {
+                    Ok(request) => this.call_agent.run(request),
+                    Err(e) => return dialect_not_sent(&e),
+                },
+                None => match builder.body(()) {
+                    Ok(request) => this.call_agent.run(request),
+                    Err(e) => return dialect_not_sent(&e),
+                },
+            };
+            this.reading_of(&dialect, sent)
+        })
+        .instrument(span.clone())
+        .await;
+        self.remember_poll_url(&reading);
+        self.observed(&span, "start", &reading.answer);
+        reading.answer
+    }
+
+    /// A poll URL the answer named, kept for polling that request.
+    fn remember_poll_url(&self, reading: &dialect::Reading) {
+        if let (CallAnswer::Accepted { request_id }, Some(url)) = (&reading.answer, &reading.poll_url) {
+            let mut urls = self.poll_urls.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            urls.insert(request_id.clone(), url.clone());
+        }
+    }
+
+    /// What a dialect exchange came to.
+    fn reading_of(
+        &self,
+        dialect: &dialect::Dialect,
+        response: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> dialect::Reading {
+        let mut response = match response {
+            Ok(response) => response,
+            Err(e) => {
+                let answer = CallAnswer::Outcome(outcome_of_error(&e), Some(self.describe(&e)));
+                return dialect::Reading { answer, poll_url: None };
+            }
+        };
+        let status = response.status().as_u16();
+        let limit = dialect.spec.max_inline_result_bytes.saturating_mul(4).saturating_add(1024 * 1024);
+        let body = match response.body_mut().with_config().limit(limit).read_to_vec() {
+            Ok(body) => body,
+            Err(e) if (200..300).contains(&status) => {
+                let answer = CallAnswer::Outcome(CallOutcome::ResetMidResponse, Some(e.to_string()));
+                return dialect::Reading { answer, poll_url: None };
+            }
+            Err(_) => Vec::new(),
+        };
+        dialect.read(status, response.headers(), &body, std::time::SystemTime::now())
+    }
+
+    /// Polls an accepted job at a dialect provider: at the URL its answer named,
+    /// or at the dialect's poll path. Without either there is nothing to ask, which
+    /// is no answer.
+    async fn poll_dialect(&self, dialect: &std::sync::Arc<dialect::Dialect>, request_id: &str) -> CallAnswer {
+        let named = self.poll_urls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(request_id).cloned();
+        let url = match (named, dialect.poll_path(request_id)) {
+            (Some(url), _) => url,
+            (None, Some(Ok(path))) => format!("{}{path}", self.base_url),
+            (None, Some(Err(why))) => return CallAnswer::Outcome(CallOutcome::NotSent, Some(why)),
+            (None, None) => {
+                let why = format!("the dialect of `{}` says no way to follow an accepted job", self.name);
+                return CallAnswer::Outcome(CallOutcome::NotSent, Some(why));
+            }
+        };
+        let (span, traceparent) = self.exchange_span("poll");
+        let this = self.clone();
+        let dialect = dialect.clone();
+        let reading = blocking(move || {
+            let request = this.agent.get(&url);
+            // The provider's credentials go only to its own origin.
+            let request = if same_origin(&this.base_url, &url) { this.with_auth(request) } else { request };
+            this.reading_of(&dialect, with_trace(request, traceparent).call())
+        })
+        .instrument(span.clone())
+        .await;
+        self.remember_poll_url(&reading);
+        self.observed(&span, "poll", &reading.answer);
+        reading.answer
+    }
+
     /// Polls an accepted operation.
     pub async fn poll(&self, request_id: &str) -> CallAnswer {
+        if let Some(dialect) = self.dialect.clone() {
+            return self.poll_dialect(&dialect, request_id).await;
+        }
         let this = self.clone();
         let url = format!("{}/v1/operations/{request_id}", self.base_url);
         let (span, traceparent) = self.exchange_span("poll");
@@ -259,6 +412,12 @@ impl HttpProvider {
     /// The provider's credentials go only to the provider's own origin: an
     /// artifact on another host (a storage bucket, a CDN) gets none.
     pub async fn verify(&self, result: &ProviderResult) -> Result<(), VerifyError> {
+        if let Some(value) = &result.inline {
+            // Hashed by Fenceline from the answer itself: nothing to download.
+            let actual = hex::encode(Sha256::digest(dialect::canonical_json(value).as_bytes()));
+            let expected = result.sha256.to_ascii_lowercase();
+            return if actual == expected { Ok(()) } else { Err(VerifyError::Mismatch { expected, actual }) };
+        }
         let this = self.clone();
         let uri = result.uri.clone();
         let expected = result.sha256.to_ascii_lowercase();
@@ -307,6 +466,12 @@ impl HttpProvider {
             None => request,
         }
     }
+}
+
+/// A request that could not even be put together: nothing left.
+fn dialect_not_sent(e: &ureq::http::Error) -> dialect::Reading {
+    let answer = CallAnswer::Outcome(CallOutcome::NotSent, Some(format!("the request could not be built: {e}")));
+    dialect::Reading { answer, poll_url: None }
 }
 
 /// The W3C trace context header every request to a provider carries.
@@ -379,7 +544,10 @@ fn answer_of(mut response: ureq::http::Response<ureq::Body>) -> CallAnswer {
         // A problem document the body does not hold is no proof of who answered.
         let problem_body =
             problem_body && serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.is_object());
-        return CallAnswer::Outcome(CallOutcome::Answered { status, retry_after, problem_body }, None);
+        return CallAnswer::Outcome(
+            CallOutcome::Answered { status, retry_after, problem_body, class_named: None },
+            None,
+        );
     }
     match serde_json::from_slice::<Answer>(&body) {
         // Text Postgres cannot store (a NUL character) would make every record of

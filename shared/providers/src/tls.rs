@@ -23,6 +23,8 @@ pub enum Error {
     ClientCertificate { provider: String, reason: String },
     #[error("provider `{provider}`: its credential (auth_header_env): {reason}")]
     Credential { provider: String, reason: String },
+    #[error("provider `{provider}`: its dialect: {reason}")]
+    Dialect { provider: String, reason: String },
 }
 
 /// The TLS settings of one provider, ready for its agents, and how to name its

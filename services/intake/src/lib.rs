@@ -520,6 +520,8 @@ async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) 
 }
 
 /// Asks for the task to be cancelled: at once if it waits, cooperatively if it runs.
+/// A finished task is refused (`409`, naming its state) unless this repeats a cancel
+/// asked before.
 #[utoipa::path(
     post, path = "/v1/tasks/{task_id}/cancel", tag = "tasks",
     params(("task_id" = String, Path, description = "The task's id")),
@@ -527,6 +529,7 @@ async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) 
         (status = 202, description = "Asked (`repeated` if asked before)", body = actions::ActionAccepted),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`, naming its state)", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
@@ -545,7 +548,8 @@ async fn cancel(
 }
 
 /// Delivers a signal (such as an approval) to the task, once per `Idempotency-Key`
-/// or, without one, per payload.
+/// or, without one, per payload. A new signal to a finished task is refused
+/// (`409`).
 #[utoipa::path(
     post, path = "/v1/tasks/{task_id}/signals/{name}", tag = "tasks",
     params(
@@ -561,6 +565,7 @@ async fn cancel(
         (status = 400, description = "A bad name, key or payload", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`, naming its state)", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
@@ -610,7 +615,7 @@ async fn signal(
         (status = 400, description = "A bad resolution", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The task does not wait for a person, its case changed, or the case was already resolved otherwise", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`), does not wait for a person, its case changed, or the case was already resolved otherwise", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),

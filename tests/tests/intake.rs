@@ -458,6 +458,63 @@ async fn a_resolution_names_the_case_it_decides_and_is_refused_once_the_case_cha
     assert_eq!(signals, 2);
 }
 
+/// A catalogue as the other services read it: `ticket.triage` waits for
+/// `refund_approved` between its calls, `image.generate` for no signal.
+fn catalogue_file() -> std::path::PathBuf {
+    let catalogue = json!({
+        "providers": {"img": {"base_url": "http://127.0.0.1:9", "call_timeout_ms": 1000, "concurrency": 1,
+                              "rate_per_second": 1, "burst": 1}},
+        "kinds": {
+            "image.generate": {"steps": [{"name": "render", "provider": "img"}], "attempt_budget_ms": 5000},
+            "ticket.triage": {"steps": [
+                {"name": "classify", "provider": "img"},
+                {"name": "approve", "approval_signal": "refund_approved"},
+                {"name": "refund", "provider": "img"}
+            ], "attempt_budget_ms": 5000}
+        }
+    });
+    let path = std::env::temp_dir().join(format!("catalog-{}.json", uuid::Uuid::now_v7().simple()));
+    std::fs::write(&path, catalogue.to_string()).expect("write the catalogue");
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_no_step_of_the_tasks_kind_waits_for_is_refused_naming_those_it_takes() {
+    let catalogue = catalogue_file();
+    let kinds = vec!["image.generate".into(), "ticket.triage".into()];
+    let intake = start_intake_with(&[], kinds, |config| config.intake.catalog.catalog = Some(catalogue)).await;
+    let token = Some(intake.acme.clone());
+    let submit = |key: &'static str, kind: &str| {
+        let body = json!({"kind": kind, "input": {}}).to_string();
+        call("POST", format!("{}/v1/tasks", intake.base), token.clone(), Some(key), Some(body))
+    };
+    let ticket = submit("ticket", "ticket.triage").await.body["task_id"].as_str().expect("id").to_owned();
+    let image = submit("image", "image.generate").await.body["task_id"].as_str().expect("id").to_owned();
+    let signal = |task: &str, name: &str| {
+        call("POST", format!("{}/v1/tasks/{task}/signals/{name}", intake.base), token.clone(), None, Some("{}".into()))
+    };
+
+    let wrong = signal(&ticket, "approve").await;
+    assert_eq!(
+        (wrong.status, wrong.content_type.as_str(), wrong.body["type"].as_str()),
+        (422, "application/problem+json", Some("/problems/unknown-signal")),
+        "{:?}",
+        wrong.body
+    );
+    let detail = wrong.body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("`approve`") && detail.contains("it takes `refund_approved`"), "{detail}");
+    let none = signal(&image, "refund_approved").await;
+    assert_eq!((none.status, none.body["type"].as_str()), (422, Some("/problems/unknown-signal")));
+    let detail = none.body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("kind `image.generate` wait for no signal"), "{detail}");
+
+    let right = signal(&ticket, "refund_approved").await;
+    assert_eq!((right.status, right.body["repeated"].as_bool()), (202, Some(false)), "{:?}", right.body);
+    let kept: Vec<String> =
+        sqlx::query_scalar("SELECT signal_name FROM signals").fetch_all(&intake.pool).await.expect("signals");
+    assert_eq!(kept, ["refund_approved"], "only the signal a step waits for was sent on");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_finished_task_refuses_new_signals_cancels_and_resolutions_naming_its_state() {
     let intake = start_intake().await;

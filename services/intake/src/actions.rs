@@ -2,8 +2,8 @@
 //! resolve the case of a task that waits for a person (`outcome_unknown`,
 //! `needs_human`). Each request becomes one event on `fenceline.tasks` for the
 //! scheduler, the authority on task state; a repeated request finds its earlier row
-//! and sends nothing again. A new request on a finished task is refused: nothing
-//! could come of it.
+//! and sends nothing again. A new request on a finished task, and a signal no step
+//! of the task's kind waits for, are refused: nothing could come of them.
 
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::ids::TaskId;
@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 use crate::auth::Tenant;
+use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
 
 /// The answer to every action: what was asked, and whether this request repeated
@@ -29,6 +30,7 @@ pub struct ActionAccepted {
 /// The caller's task as an action finds it, its row locked.
 #[derive(Debug, sqlx::FromRow)]
 struct Locked {
+    kind: String,
     /// The projected state; `queued` until the scheduler's first status arrives.
     /// Advisory: the scheduler decides.
     state: String,
@@ -40,7 +42,7 @@ struct Locked {
 /// 404 exactly as for a task that does not exist.
 async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<Locked, ApiError> {
     let found: Option<Locked> = sqlx::query_as(
-        "SELECT coalesce(v.state, 'queued') AS state, v.case_id \
+        "SELECT t.kind, coalesce(v.state, 'queued') AS state, v.case_id \
          FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
          WHERE t.task_id = $1 AND t.tenant = $2 FOR UPDATE OF t",
     )
@@ -133,21 +135,33 @@ pub fn payload_signal_id(payload: &serde_json::Value, generation: i64) -> String
     if generation == 0 { hash } else { format!("{hash}:generation-{generation}") }
 }
 
-/// Delivers a signal. Its identity is the `Idempotency-Key` if given, else the
-/// payload within the task's generation ([`payload_signal_id`]). The scheduler
-/// keeps a signal that arrives before its wait begins, so an approval given early
-/// is not lost.
+/// A signal as the client sent it.
+#[derive(Debug, Clone, Copy)]
+pub struct SignalRequest<'a> {
+    /// What a step waits for, such as `refund_approved` ([`parse_signal_name`]).
+    pub name: &'a str,
+    /// The `Idempotency-Key`, if one was sent.
+    pub key: Option<&'a str>,
+    /// The JSON payload; `null` for none.
+    pub payload: &'a serde_json::Value,
+}
+
+/// Delivers a signal that a step of the task's kind waits for. Its identity is the
+/// `Idempotency-Key` if given, else the payload within the task's generation
+/// ([`payload_signal_id`]). The scheduler keeps a signal that arrives before its
+/// wait begins, so an approval given early is not lost.
 pub async fn signal(
     pool: &PgPool,
     outbox: &OutboxWriter,
+    kinds: &KindCatalog,
     tenant: &Tenant,
     task_id: TaskId,
-    name: &str,
-    key: Option<&str>,
-    payload: &serde_json::Value,
+    request: SignalRequest<'_>,
 ) -> Result<ActionAccepted, ApiError> {
+    let SignalRequest { name, key, payload } = request;
     let mut tx = pool.begin().await?;
     let task = lock_task(&mut tx, tenant, task_id).await?;
+    kinds.check_signal(task_id, &task.kind, name)?;
     let signal_id = match key {
         Some(key) => key.to_owned(),
         None => {
@@ -269,7 +283,7 @@ pub async fn resolve(
     // The projected state is advisory (the scheduler decides, and applies a
     // resolution only to the case it names); it turns away resolutions of tasks
     // that plainly do not wait for a person, and of cases that were replaced.
-    let Locked { state, case_id: current } = lock_task(&mut tx, tenant, task_id).await?;
+    let Locked { state, case_id: current, .. } = lock_task(&mut tx, tenant, task_id).await?;
     let waits = [TaskState::OutcomeUnknown.as_str(), TaskState::NeedsHuman.as_str()].contains(&state.as_str());
     // A case already resolved answers for itself even after the task moved on.
     let recorded: Option<(String, bool, Option<sqlx::types::Json<ArtifactRef>>)> = sqlx::query_as(

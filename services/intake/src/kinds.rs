@@ -82,6 +82,12 @@ impl KindCatalog {
         self.kinds.iter().filter(|k| catalog.kind(k).is_none()).map(String::as_str).collect()
     }
 
+    /// The signal the approval step `step` of `kind` waits for, if the catalogue says.
+    pub fn signal_awaited_at(&self, kind: &str, step: &str) -> Option<&str> {
+        let steps = self.approvals.as_ref()?.get(kind)?;
+        steps.iter().find(|a| a.step == step).map(|a| a.signal.as_str())
+    }
+
     /// Refuses a signal that no step of the task's kind waits for, naming those it
     /// takes. Without a catalogue every well-formed name is taken.
     pub fn check_signal(&self, task_id: TaskId, kind: &str, name: &str) -> Result<(), ApiError> {
@@ -180,6 +186,8 @@ mod tests {
         let none = kinds.check_signal(task, "image.generate", "approve").expect_err("no approval step");
         assert!(none.to_string().contains("kind `image.generate` wait for no signal"), "{none}");
         assert!(kinds.check_signal(task, "video.make", "approve").is_err(), "an undeclared kind runs nowhere");
+        assert_eq!(kinds.signal_awaited_at("ticket.triage", "approve"), Some("refund_approved"));
+        assert_eq!(kinds.signal_awaited_at("ticket.triage", "refund"), None, "a call step awaits nothing");
     }
 
     #[test]

@@ -538,8 +538,13 @@ async fn events(
          headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
-async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id(&path)?).await?))
+async fn read(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(tasks::read(&pool, &state.kinds, &caller.0, task_id(&path)?).await?))
 }
 
 /// Asks for the task to be cancelled: at once if it waits, cooperatively if it runs.

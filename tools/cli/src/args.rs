@@ -14,7 +14,7 @@ Exit codes:
   1  anything else (an answer that could not be read)
   2  bad command line or input, or a request intake refused as malformed (400, 413, 415, 422, 431)
   3  no such task for this tenant (404)
-  4  conflict (409; an Idempotency-Key reused for a different request)
+  4  conflict (409, such as a task already finished; an Idempotency-Key reused for a different request)
   5  no valid token (401)
   6  the service is unreachable or failed (5xx, refused connection, time-out)
   7  a watched task ended without succeeding, or waits for a person
@@ -76,8 +76,12 @@ pub enum Command {
     /// Asks for a task to be cancelled: at once if nothing runs, cooperatively if
     /// an attempt runs. Asking again changes nothing.
     Cancel { task_id: TaskId },
-    /// Approves a task waiting for an approval: sends the signal its step waits for
-    /// (`get` shows it in the reason: "waiting for the signal `NAME`").
+    /// Approves a task waiting for an approval: sends the signal its step waits for.
+    ///
+    /// Without --signal, the signal the task awaits now (`get` shows it as
+    /// "awaiting signal"); a task that awaits none is refused here (exit 2, or 4 if
+    /// it finished). A signal no step of the task's kind waits for is refused by
+    /// intake (exit 2), as is a new signal to a finished task (exit 4).
     Approve(ApproveArgs),
     /// Resolves the case of a task in outcome_unknown or needs_human, naming the
     /// case that `get` showed.
@@ -174,9 +178,9 @@ pub struct Polling {
 #[derive(Debug, Args)]
 pub struct ApproveArgs {
     pub task_id: TaskId,
-    /// The signal the approval step waits for, such as refund_approved.
+    /// The signal to send, such as refund_approved; by default the one the task awaits.
     #[arg(long)]
-    pub signal: String,
+    pub signal: Option<String>,
     /// A JSON object sent with the approval (who approved, why).
     #[arg(long)]
     pub payload: Option<String>,

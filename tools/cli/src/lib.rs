@@ -20,7 +20,8 @@ pub enum Exit {
     Usage = 2,
     /// No such task for this tenant (404).
     NotFound = 3,
-    /// The request conflicts with what is recorded (409; an Idempotency-Key reused for another request).
+    /// The request conflicts with what is recorded (409, such as a task already
+    /// finished; an Idempotency-Key reused for another request).
     Conflict = 4,
     /// No token, or the token was refused (401, 403).
     Refused = 5,
@@ -44,6 +45,9 @@ impl Exit {
 pub enum Error {
     #[error("{0}")]
     Usage(String),
+    /// What was asked cannot apply to the task as it is (it finished, say).
+    #[error("{0}")]
+    Conflict(String),
     #[error("no token: give --token-file or --token, or set FENCELINE_TOKEN_FILE or FENCELINE_TOKEN")]
     NoToken,
     #[error("{0}")]
@@ -63,6 +67,7 @@ impl Error {
     pub fn exit(&self) -> Exit {
         match self {
             Error::Usage(_) | Error::NoToken => Exit::Usage,
+            Error::Conflict(_) => Exit::Conflict,
             Error::Problem(problem) => match (problem.status, problem.problem_type.as_deref()) {
                 (_, Some("/problems/idempotency-key-reused")) | (409, _) => Exit::Conflict,
                 (404, _) => Exit::NotFound,

@@ -10,14 +10,14 @@ use secrecy::SecretString;
 
 const EXIT_CODES: &str = "\
 Exit codes:
-  0  done (watch: the task succeeded)
+  0  done (watch: the task succeeded; resolve --watch: it reached the outcome chosen)
   1  anything else (an answer that could not be read)
   2  bad command line or input, or a request intake refused as malformed (400, 413, 415, 422, 431)
   3  no such task for this tenant (404)
   4  conflict (409, such as a task already finished; an Idempotency-Key reused for a different request)
   5  no valid token (401)
   6  the service is unreachable or failed (5xx, refused connection, time-out)
-  7  a watched task ended without succeeding, or waits for a person
+  7  a watched task ended otherwise, or waits for a person
   8  watch --timeout-s ran out; the task goes on";
 
 /// `fenceline`: submit, read, follow and act on Fenceline tasks through intake's API.
@@ -85,6 +85,9 @@ pub enum Command {
     Approve(ApproveArgs),
     /// Resolves the case of a task in outcome_unknown or needs_human, naming the
     /// case that `get` showed.
+    ///
+    /// With --watch, exit 0 when the task reaches the outcome chosen (accept-failed:
+    /// failed; retry-as-new and attach-result: succeeded), 7 when it stops otherwise.
     Resolve(ResolveArgs),
     /// Lists what the reconciler's audit found: tasks without progress or without a
     /// live expectation (`GET /v1/audit`, with the audit token).
@@ -246,6 +249,14 @@ impl Resolution {
             Resolution::AttachResult => ResolutionAction::AttachResult,
         }
     }
+
+    /// The final state the person chose: what `resolve --watch` waits to see.
+    pub fn outcome(self) -> TaskState {
+        match self {
+            Resolution::AcceptFailed => TaskState::Failed,
+            Resolution::RetryAsNew | Resolution::AttachResult => TaskState::Succeeded,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -372,5 +383,12 @@ mod tests {
         let Command::Resolve(resolve) = parsed.command else { panic!("resolve") };
         assert!(resolve.i_accept_a_second_charge);
         assert_eq!(resolve.action.action(), ResolutionAction::RetryAsNew);
+    }
+
+    #[test]
+    fn each_resolution_is_watched_for_the_outcome_it_chooses() {
+        assert_eq!(Resolution::AcceptFailed.outcome(), TaskState::Failed);
+        assert_eq!(Resolution::RetryAsNew.outcome(), TaskState::Succeeded);
+        assert_eq!(Resolution::AttachResult.outcome(), TaskState::Succeeded);
     }
 }

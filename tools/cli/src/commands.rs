@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 
@@ -224,7 +225,9 @@ fn approve(client: &Client, args: ApproveArgs, json: bool, out: &mut dyn Write) 
     let answer = client.post(&format!("/v1/tasks/{}/signals/{signal}", args.task_id), payload.as_ref(), &headers)?;
     action(out, json, &answer.text, &answer.parse()?)?;
     match before.filter(|_| args.watch) {
-        Some(before) => watch::task_after(client, args.task_id, Some(before), args.polling, json, out),
+        Some(before) => {
+            watch::task_after(client, args.task_id, Some(before), TaskState::Succeeded, args.polling, json, out)
+        }
         None => Ok(Exit::Ok),
     }
 }
@@ -267,7 +270,9 @@ fn resolve(client: &Client, args: ResolveArgs, json: bool, out: &mut dyn Write) 
     let answer = client.post(&format!("/v1/tasks/{}/resolution", args.task_id), Some(&body), &[])?;
     action(out, json, &answer.text, &answer.parse()?)?;
     match before {
-        Some(before) => watch::task_after(client, args.task_id, Some(before), args.polling, json, out),
+        Some(before) => {
+            watch::task_after(client, args.task_id, Some(before), args.action.outcome(), args.polling, json, out)
+        }
         None => Ok(Exit::Ok),
     }
 }

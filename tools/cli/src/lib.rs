@@ -12,7 +12,8 @@ pub mod watch;
 /// Do not change: scripts test these numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
-    /// Done; for `watch`, the task succeeded.
+    /// Done; for `watch`, the task succeeded (for `resolve --watch`, it reached the
+    /// outcome chosen).
     Ok = 0,
     /// Anything else: an answer that could not be read, output that could not be written.
     Failed = 1,
@@ -27,7 +28,8 @@ pub enum Exit {
     Refused = 5,
     /// The service could not be reached or failed (5xx, connection refused, timed out).
     Unavailable = 6,
-    /// A watched task ended without succeeding (failed, cancelled) or waits for a
+    /// A watched task ended without succeeding (failed, cancelled; after
+    /// `resolve --watch`, in a state other than the one chosen) or waits for a
     /// person (awaiting_approval, outcome_unknown, needs_human).
     NotSucceeded = 7,
     /// `watch --timeout-s` ran out before the task ended; the task goes on.

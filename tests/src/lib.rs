@@ -114,6 +114,7 @@ pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_i
                 tenant_burst: 1000,
                 max_in_flight: 256,
             },
+            catalog: Default::default(),
         },
     }
 }

@@ -209,7 +209,7 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     )
     .await;
     let last = resolved.stdout.lines().last().unwrap_or_default();
-    assert!(resolved.code == 7 && last.contains("failed"), "followed until it failed: {resolved:?}");
+    assert!(resolved.code == 0 && last.contains("failed"), "failed, as the person chose: {resolved:?}");
     let repeated = as_tenant(&intake, &token_file, &["resolve", &refund, "accept-failed", "--case", &case]).await;
     assert!(repeated.code == 0 && repeated.stdout.contains("before"), "{repeated:?}");
     let other = as_tenant(
@@ -251,4 +251,92 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     let all_output: String =
         [&first, &keyless, &watched, &shown, &listed].iter().map(|r| format!("{}{}", r.stdout, r.stderr)).collect();
     assert!(!all_output.contains(&token), "the tenant's token is never printed");
+}
+
+/// A system whose `ticket.triage` waits for `refund_approved` between its calls,
+/// and a token file for the tenant `acme`.
+async fn approving_system() -> (System, String, std::path::PathBuf) {
+    let mut system = System::new(&[("img", Caps::default()), ("refunds", Caps::default())]).await;
+    system.spawn("intake", "intake", &[]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let intake = system.url_of("intake");
+    let token_file = system.dir.join("token");
+    std::fs::write(&token_file, system.token("acme").await).expect("token file");
+    (system, intake, token_file)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approve_without_a_signal_sends_the_one_the_task_awaits_and_the_hint_names_it() {
+    let (system, intake, token_file) = approving_system().await;
+    let submit = |extra: &'static [&'static str]| {
+        let args = [&["submit", "ticket.triage", r#"{"ticket":"t-1"}"#, "--json"][..], extra].concat();
+        let (intake, token_file) = (intake.clone(), token_file.clone());
+        async move { task_id(&as_tenant(&intake, &token_file, &args).await) }
+    };
+    let ticket = submit(&[]).await;
+    let later = submit(&["--not-before", "2099-01-01T00:00:00Z"]).await;
+
+    // A task that awaits nothing yet: approve cannot guess, and says how to name one.
+    let guessed = as_tenant(&intake, &token_file, &["approve", &later]).await;
+    assert!(guessed.code == 2 && guessed.stderr.contains("awaits no signal now"), "{guessed:?}");
+    assert!(guessed.stderr.contains(&format!("fenceline approve {later} --signal")), "{guessed:?}");
+
+    // The hint is the command to run, with the signal the task awaits.
+    let waiting =
+        as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(waiting.code == 7 && waiting.stdout.contains("awaiting_approval"), "{waiting:?}");
+    let hint = format!("fenceline approve {ticket} --signal refund_approved");
+    assert!(waiting.stderr.contains(&hint), "{waiting:?}");
+    let shown = as_tenant(&intake, &token_file, &["get", &ticket]).await;
+    assert!(shown.stdout.contains("awaiting signal") && shown.stdout.contains("refund_approved"), "{shown:?}");
+
+    let approved =
+        as_tenant(&intake, &token_file, &["approve", &ticket, "--watch", "--interval-ms", "200", "--timeout-s", "60"])
+            .await;
+    assert!(approved.code == 0 && approved.stdout.contains("signal:refund_approved"), "{approved:?}");
+    assert!(approved.stdout.lines().last().is_some_and(|l| l.contains("succeeded")), "{approved:?}");
+    assert_eq!(system.provider("refunds").charges().await, 1, "the approved refund was paid once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_action_intake_refuses_exits_non_zero_with_its_reason() {
+    let (_system, intake, token_file) = approving_system().await;
+    let image = task_id(
+        &as_tenant(&intake, &token_file, &["submit", "image.generate", r#"{"prompt":"a hat"}"#, "--json"]).await,
+    );
+    let later = task_id(
+        &as_tenant(
+            &intake,
+            &token_file,
+            &["submit", "ticket.triage", "{}", "--not-before", "2099-01-01T00:00:00Z", "--json"],
+        )
+        .await,
+    );
+
+    // A signal no step of the task's kind waits for: refused, naming those it takes.
+    let unknown = as_tenant(&intake, &token_file, &["approve", &later, "--signal", "approve"]).await;
+    assert!(unknown.code == 2 && unknown.stderr.contains("/problems/unknown-signal"), "{unknown:?}");
+    assert!(unknown.stderr.contains("it takes `refund_approved`"), "{unknown:?}");
+    let none = as_tenant(&intake, &token_file, &["approve", &image, "--signal", "refund_approved"]).await;
+    assert!(none.code == 2 && none.stderr.contains("wait for no signal"), "{none:?}");
+
+    // Finished tasks: a new cancel, signal or resolution is refused, naming the state.
+    let succeeded =
+        as_tenant(&intake, &token_file, &["watch", &image, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert_eq!(succeeded.code, 0, "{succeeded:?}");
+    let cancel = as_tenant(&intake, &token_file, &["cancel", &image]).await;
+    assert!(cancel.code == 4 && cancel.stderr.contains("/problems/task-finished"), "{cancel:?}");
+    assert!(cancel.stderr.contains(&format!("task {image} is already succeeded; nothing to cancel")), "{cancel:?}");
+    let approve = as_tenant(&intake, &token_file, &["approve", &image]).await;
+    assert!(approve.code == 4 && approve.stderr.contains("is already succeeded; nothing to approve"), "{approve:?}");
+
+    assert_eq!(as_tenant(&intake, &token_file, &["cancel", &later]).await.code, 0);
+    let cancelled =
+        as_tenant(&intake, &token_file, &["watch", &later, "--interval-ms", "200", "--timeout-s", "60"]).await;
+    assert!(cancelled.code == 7 && cancelled.stdout.contains("cancelled"), "{cancelled:?}");
+    let signal = as_tenant(&intake, &token_file, &["approve", &later, "--signal", "refund_approved"]).await;
+    assert!(signal.code == 4 && signal.stderr.contains("is already cancelled; nothing to signal"), "{signal:?}");
+    let resolve = as_tenant(&intake, &token_file, &["resolve", &later, "accept-failed", "--case", "c"]).await;
+    assert!(resolve.code == 4 && resolve.stderr.contains("is already cancelled; nothing to resolve"), "{resolve:?}");
 }

@@ -458,6 +458,116 @@ async fn a_resolution_names_the_case_it_decides_and_is_refused_once_the_case_cha
     assert_eq!(signals, 2);
 }
 
+/// A catalogue as the other services read it: `ticket.triage` waits for
+/// `refund_approved` between its calls, `image.generate` for no signal.
+fn catalogue_file() -> std::path::PathBuf {
+    let catalogue = json!({
+        "providers": {"img": {"base_url": "http://127.0.0.1:9", "call_timeout_ms": 1000, "concurrency": 1,
+                              "rate_per_second": 1, "burst": 1}},
+        "kinds": {
+            "image.generate": {"steps": [{"name": "render", "provider": "img"}], "attempt_budget_ms": 5000},
+            "ticket.triage": {"steps": [
+                {"name": "classify", "provider": "img"},
+                {"name": "approve", "approval_signal": "refund_approved"},
+                {"name": "refund", "provider": "img"}
+            ], "attempt_budget_ms": 5000}
+        }
+    });
+    let path = std::env::temp_dir().join(format!("catalog-{}.json", uuid::Uuid::now_v7().simple()));
+    std::fs::write(&path, catalogue.to_string()).expect("write the catalogue");
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_no_step_of_the_tasks_kind_waits_for_is_refused_naming_those_it_takes() {
+    let catalogue = catalogue_file();
+    let kinds = vec!["image.generate".into(), "ticket.triage".into()];
+    let intake = start_intake_with(&[], kinds, |config| config.intake.catalog.catalog = Some(catalogue)).await;
+    let token = Some(intake.acme.clone());
+    let submit = |key: &'static str, kind: &str| {
+        let body = json!({"kind": kind, "input": {}}).to_string();
+        call("POST", format!("{}/v1/tasks", intake.base), token.clone(), Some(key), Some(body))
+    };
+    let ticket = submit("ticket", "ticket.triage").await.body["task_id"].as_str().expect("id").to_owned();
+    let image = submit("image", "image.generate").await.body["task_id"].as_str().expect("id").to_owned();
+    let signal = |task: &str, name: &str| {
+        call("POST", format!("{}/v1/tasks/{task}/signals/{name}", intake.base), token.clone(), None, Some("{}".into()))
+    };
+
+    let wrong = signal(&ticket, "approve").await;
+    assert_eq!(
+        (wrong.status, wrong.content_type.as_str(), wrong.body["type"].as_str()),
+        (422, "application/problem+json", Some("/problems/unknown-signal")),
+        "{:?}",
+        wrong.body
+    );
+    let detail = wrong.body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("`approve`") && detail.contains("it takes `refund_approved`"), "{detail}");
+    let none = signal(&image, "refund_approved").await;
+    assert_eq!((none.status, none.body["type"].as_str()), (422, Some("/problems/unknown-signal")));
+    let detail = none.body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("kind `image.generate` wait for no signal"), "{detail}");
+
+    let right = signal(&ticket, "refund_approved").await;
+    assert_eq!((right.status, right.body["repeated"].as_bool()), (202, Some(false)), "{:?}", right.body);
+    let kept: Vec<String> =
+        sqlx::query_scalar("SELECT signal_name FROM signals").fetch_all(&intake.pool).await.expect("signals");
+    assert_eq!(kept, ["refund_approved"], "only the signal a step waits for was sent on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_task_refuses_new_signals_cancels_and_resolutions_naming_its_state() {
+    let intake = start_intake().await;
+    let token = Some(intake.acme.clone());
+    for state in ["succeeded", "failed", "cancelled"] {
+        let created =
+            call("POST", format!("{}/v1/tasks", intake.base), token.clone(), Some(state), Some(image(state))).await;
+        let task_id = created.body["task_id"].as_str().expect("id").to_owned();
+        let task = format!("{}/v1/tasks/{task_id}", intake.base);
+        let signal =
+            |key: &'static str| call("POST", format!("{task}/signals/approve"), token.clone(), Some(key), None);
+        let cancel = || call("POST", format!("{task}/cancel"), token.clone(), None, None);
+        // Asked while the task ran.
+        assert_eq!(signal("early").await.status, 202);
+        if state == "cancelled" {
+            assert_eq!(cancel().await.status, 202);
+        }
+        project(&intake, &task_id, state, "case-1", 7).await;
+
+        let refused = |answer: &Answer, what: &str| {
+            assert_eq!(
+                (answer.status, answer.content_type.as_str(), answer.body["type"].as_str()),
+                (409, "application/problem+json", Some("/problems/task-finished")),
+                "{what} of a {state} task: {:?}",
+                answer.body
+            );
+            let expected = format!("task {task_id} is already {state}; nothing to {what}");
+            assert_eq!(answer.body["detail"].as_str(), Some(expected.as_str()));
+        };
+        refused(&signal("late").await, "signal");
+        let resolution = json!({"case_id": "case-1", "action": "accept_failed"}).to_string();
+        refused(&call("POST", format!("{task}/resolution"), token.clone(), None, Some(resolution)).await, "resolve");
+        // What was asked before it finished answers as before: it was carried out once.
+        assert_eq!(signal("early").await.body["repeated"], true, "{state}");
+        let cancelled = cancel().await;
+        if state == "cancelled" {
+            assert_eq!((cancelled.status, cancelled.body["repeated"].as_bool()), (202, Some(true)));
+        } else {
+            refused(&cancelled, "cancel");
+        }
+    }
+    let count = |table: &str| {
+        let pool = intake.pool.clone();
+        let query = format!("SELECT count(*) FROM {table}");
+        async move { sqlx::query_scalar::<_, i64>(&query).fetch_one(&pool).await.expect("count") }
+    };
+    assert_eq!(
+        (count("signals").await, count("cancellations").await, count("resolutions").await),
+        (3, 1, 0),
+        "nothing refused was recorded"
+    );
+}
+
 /// Produces a `TaskRequest` record to the upstream topic, as another system would.
 async fn produce_request(intake: &Intake, request: fenceline_events::TaskRequest) -> Vec<u8> {
     let event = fenceline_events::Event::TaskRequest(request);

@@ -2,7 +2,8 @@
 //! resolve the case of a task that waits for a person (`outcome_unknown`,
 //! `needs_human`). Each request becomes one event on `fenceline.tasks` for the
 //! scheduler, the authority on task state; a repeated request finds its earlier row
-//! and sends nothing again.
+//! and sends nothing again. A new request on a finished task, and a signal no step
+//! of the task's kind waits for, are refused: nothing could come of them.
 
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::ids::TaskId;
@@ -13,6 +14,7 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 use crate::auth::Tenant;
+use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
 
 /// The answer to every action: what was asked, and whether this request repeated
@@ -25,31 +27,62 @@ pub struct ActionAccepted {
     pub repeated: bool,
 }
 
-/// Locks the caller's task row, or answers 404 exactly as for a task that does not exist.
-async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<(), ApiError> {
-    let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM tasks WHERE task_id = $1 AND tenant = $2 FOR UPDATE")
-        .bind(task_id.as_uuid())
-        .bind(tenant.as_str())
-        .fetch_optional(&mut *tx)
-        .await?;
-    found.map(|_| ()).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
+/// The caller's task as an action finds it, its row locked.
+#[derive(Debug, sqlx::FromRow)]
+struct Locked {
+    kind: String,
+    /// The projected state; `queued` until the scheduler's first status arrives.
+    /// Advisory: the scheduler decides.
+    state: String,
+    /// The case the projected status names, if any.
+    case_id: Option<String>,
 }
 
-/// Carries out one request on the caller's task exactly once: `dedup` inserts the
-/// request's identity (and does nothing if it is there already); only a fresh
-/// insert sends `event`. Returns whether it was fresh.
+/// Locks the caller's task row and reads it with its projected status, or answers
+/// 404 exactly as for a task that does not exist.
+async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<Locked, ApiError> {
+    let found: Option<Locked> = sqlx::query_as(
+        "SELECT t.kind, coalesce(v.state, 'queued') AS state, v.case_id \
+         FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
+         WHERE t.task_id = $1 AND t.tenant = $2 FOR UPDATE OF t",
+    )
+    .bind(task_id.as_uuid())
+    .bind(tenant.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    found.ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
+}
+
+/// Refuses a new request (`what`: signal, cancel, resolve) on a task in a final
+/// state, naming it: nothing happens to such a task any more.
+fn unless_finished(task_id: TaskId, state: &str, what: &str) -> Result<(), ApiError> {
+    match state.parse::<TaskState>() {
+        Ok(state) if state.is_final() => {
+            Err(ApiError::TaskFinished(format!("task {task_id} is already {state}; nothing to {what}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Carries out one request (`what`) on the caller's task exactly once: `dedup`
+/// inserts the request's identity (and does nothing if it is there already); only a
+/// fresh insert sends `event`, and only if the task has not finished. Returns
+/// whether it was fresh.
 async fn once(
     pool: &PgPool,
     outbox: &OutboxWriter,
     tenant: &Tenant,
     task_id: TaskId,
+    what: &str,
     dedup: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     event: impl FnOnce() -> Event,
 ) -> Result<bool, ApiError> {
     let mut tx = pool.begin().await?;
-    lock_task(&mut tx, tenant, task_id).await?;
+    let task = lock_task(&mut tx, tenant, task_id).await?;
     let fresh = dedup.execute(&mut *tx).await?.rows_affected() == 1;
     if fresh {
+        // Dropping the transaction takes the insert back.
+        unless_finished(task_id, &task.state, what)?;
         outbox.append(&mut tx, topics::TASKS, None, &event()).await?;
         crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
@@ -71,7 +104,7 @@ pub async fn cancel(
     let dedup = sqlx::query("INSERT INTO cancellations (task_id, requested_by) VALUES ($1, $2) ON CONFLICT DO NOTHING")
         .bind(task_id.as_uuid())
         .bind(who);
-    let fresh = once(pool, outbox, tenant, task_id, dedup, || {
+    let fresh = once(pool, outbox, tenant, task_id, "cancel", dedup, || {
         Event::CancelRequested(CancelRequested {
             task_id,
             tenant: tenant.as_str().to_owned(),
@@ -102,21 +135,33 @@ pub fn payload_signal_id(payload: &serde_json::Value, generation: i64) -> String
     if generation == 0 { hash } else { format!("{hash}:generation-{generation}") }
 }
 
-/// Delivers a signal. Its identity is the `Idempotency-Key` if given, else the
-/// payload within the task's generation ([`payload_signal_id`]). The scheduler
-/// keeps a signal that arrives before its wait begins, so an approval given early
-/// is not lost.
+/// A signal as the client sent it.
+#[derive(Debug, Clone, Copy)]
+pub struct SignalRequest<'a> {
+    /// What a step waits for, such as `refund_approved` ([`parse_signal_name`]).
+    pub name: &'a str,
+    /// The `Idempotency-Key`, if one was sent.
+    pub key: Option<&'a str>,
+    /// The JSON payload; `null` for none.
+    pub payload: &'a serde_json::Value,
+}
+
+/// Delivers a signal that a step of the task's kind waits for. Its identity is the
+/// `Idempotency-Key` if given, else the payload within the task's generation
+/// ([`payload_signal_id`]). The scheduler keeps a signal that arrives before its
+/// wait begins, so an approval given early is not lost.
 pub async fn signal(
     pool: &PgPool,
     outbox: &OutboxWriter,
+    kinds: &KindCatalog,
     tenant: &Tenant,
     task_id: TaskId,
-    name: &str,
-    key: Option<&str>,
-    payload: &serde_json::Value,
+    request: SignalRequest<'_>,
 ) -> Result<ActionAccepted, ApiError> {
+    let SignalRequest { name, key, payload } = request;
     let mut tx = pool.begin().await?;
-    lock_task(&mut tx, tenant, task_id).await?;
+    let task = lock_task(&mut tx, tenant, task_id).await?;
+    kinds.check_signal(task_id, &task.kind, name)?;
     let signal_id = match key {
         Some(key) => key.to_owned(),
         None => {
@@ -140,6 +185,7 @@ pub async fn signal(
     .rows_affected()
         == 1;
     if fresh {
+        unless_finished(task_id, &task.state, "signal")?;
         let event = Event::SignalReceived(SignalReceived {
             task_id,
             tenant: tenant.as_str().to_owned(),
@@ -234,17 +280,10 @@ pub async fn resolve(
     };
     let mut tx = pool.begin().await?;
     // Another tenant's task is not found, before anything about its state is said.
-    lock_task(&mut tx, tenant, task_id).await?;
     // The projected state is advisory (the scheduler decides, and applies a
     // resolution only to the case it names); it turns away resolutions of tasks
     // that plainly do not wait for a person, and of cases that were replaced.
-    let view: Option<(String, Option<String>)> =
-        sqlx::query_as("SELECT state, case_id FROM task_view WHERE task_id = $1 AND tenant = $2")
-            .bind(task_id.as_uuid())
-            .bind(tenant.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-    let (state, current) = view.unwrap_or((TaskState::Queued.as_str().to_owned(), None));
+    let Locked { state, case_id: current, .. } = lock_task(&mut tx, tenant, task_id).await?;
     let waits = [TaskState::OutcomeUnknown.as_str(), TaskState::NeedsHuman.as_str()].contains(&state.as_str());
     // A case already resolved answers for itself even after the task moved on.
     let recorded: Option<(String, bool, Option<sqlx::types::Json<ArtifactRef>>)> = sqlx::query_as(
@@ -266,6 +305,7 @@ pub async fn resolve(
             request.case_id
         )));
     }
+    unless_finished(task_id, &state, "resolve")?;
     let current = match (waits, current) {
         (true, Some(case)) => case,
         _ => {

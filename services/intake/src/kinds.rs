@@ -1,17 +1,31 @@
 //! The task kinds intake accepts, each with an optional JSON Schema for its
-//! `input`. Schemas are compiled once at start; one that does not compile stops the
-//! service with a clear message rather than letting every submission fail.
+//! `input`, and the signals each kind's approval steps wait for (from the
+//! catalogue). Schemas are compiled once at start; one that does not compile stops
+//! the service with a clear message rather than letting every submission fail.
 
 use std::collections::HashMap;
 use std::path::Path;
 
+use fenceline_config::catalog::Catalog;
+use fenceline_domain::ids::TaskId;
+
 use crate::problem::ApiError;
 
-/// Known kinds and their input schemas.
+/// Known kinds, their input schemas and the signals they wait for.
 #[derive(Debug, Default)]
 pub struct KindCatalog {
     kinds: Vec<String>,
     schemas: HashMap<String, jsonschema::Validator>,
+    /// Every kind the catalogue declares, with its approval steps in order; `None`
+    /// without a catalogue, when intake cannot tell.
+    approvals: Option<HashMap<String, Vec<Approval>>>,
+}
+
+/// An approval step: its name and the signal it waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Approval {
+    step: String,
+    signal: String,
 }
 
 /// A schema file that cannot be read or compiled.
@@ -42,7 +56,59 @@ impl KindCatalog {
                 schemas.insert(kind.clone(), validator);
             }
         }
-        Ok(Self { kinds: kinds.to_vec(), schemas })
+        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None })
+    }
+
+    /// Takes from the catalogue each kind's approval steps and the signals they wait
+    /// for. A kind the catalogue does not declare waits for none: nothing runs its tasks.
+    pub fn with_signals_from(mut self, catalog: &Catalog) -> Self {
+        let approvals = catalog
+            .kinds
+            .iter()
+            .map(|(kind, spec)| {
+                let steps = spec.steps.iter().filter_map(|step| {
+                    let signal = step.approval_signal.clone()?;
+                    Some(Approval { step: step.name.clone(), signal })
+                });
+                (kind.clone(), steps.collect())
+            })
+            .collect();
+        self.approvals = Some(approvals);
+        self
+    }
+
+    /// The kinds clients may submit that the catalogue does not declare.
+    pub fn undeclared_in<'a>(&'a self, catalog: &Catalog) -> Vec<&'a str> {
+        self.kinds.iter().filter(|k| catalog.kind(k).is_none()).map(String::as_str).collect()
+    }
+
+    /// The signal the approval step `step` of `kind` waits for, if the catalogue says.
+    pub fn signal_awaited_at(&self, kind: &str, step: &str) -> Option<&str> {
+        let steps = self.approvals.as_ref()?.get(kind)?;
+        steps.iter().find(|a| a.step == step).map(|a| a.signal.as_str())
+    }
+
+    /// Refuses a signal that no step of the task's kind waits for, naming those it
+    /// takes. Without a catalogue every well-formed name is taken.
+    pub fn check_signal(&self, task_id: TaskId, kind: &str, name: &str) -> Result<(), ApiError> {
+        let Some(approvals) = &self.approvals else { return Ok(()) };
+        let steps = approvals.get(kind).map(Vec::as_slice).unwrap_or_default();
+        if steps.iter().any(|a| a.signal == name) {
+            return Ok(());
+        }
+        let mut takes: Vec<String> = Vec::new();
+        for approval in steps {
+            let quoted = format!("`{}`", approval.signal);
+            if !takes.contains(&quoted) {
+                takes.push(quoted);
+            }
+        }
+        let takes = if takes.is_empty() {
+            format!("tasks of kind `{kind}` wait for no signal")
+        } else {
+            format!("it takes {}", takes.join(", "))
+        };
+        Err(ApiError::UnknownSignal(format!("task {task_id} never waits for the signal `{name}`; {takes}")))
     }
 
     /// The kinds clients may submit.
@@ -95,6 +161,33 @@ mod tests {
         assert!(catalog.check("image.generate", &json!({})).is_err(), "missing field");
         assert!(catalog.check("ticket.triage", &json!(42)).is_ok(), "a kind without a schema takes any input");
         assert!(matches!(catalog.check("video.make", &json!({})), Err(ApiError::UnknownKind(_))));
+    }
+
+    #[test]
+    fn a_signal_is_taken_only_if_a_step_of_the_tasks_kind_waits_for_it() {
+        let catalog = Catalog::parse(
+            r#"{"providers": {"p": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 1,
+                                    "rate_per_second": 1, "burst": 1}},
+                "kinds": {"image.generate": {"steps": [{"name": "render", "provider": "p"}], "attempt_budget_ms": 5000},
+                          "ticket.triage": {"steps": [{"name": "approve", "approval_signal": "refund_approved"},
+                                                      {"name": "refund", "provider": "p"}],
+                                            "attempt_budget_ms": 5000}}}"#,
+        )
+        .expect("catalogue");
+        let kinds = KindCatalog::load(&["image.generate".into(), "video.make".into()], None).expect("no schemas");
+        let task = TaskId::new_v7();
+        assert!(kinds.check_signal(task, "ticket.triage", "anything").is_ok(), "without a catalogue, any name");
+        let kinds = kinds.with_signals_from(&catalog);
+        assert_eq!(kinds.undeclared_in(&catalog), ["video.make"]);
+        assert!(kinds.check_signal(task, "ticket.triage", "refund_approved").is_ok());
+        let wrong = kinds.check_signal(task, "ticket.triage", "approve").expect_err("no step waits for it");
+        assert!(matches!(wrong, ApiError::UnknownSignal(_)), "{wrong}");
+        assert!(wrong.to_string().contains("`approve`; it takes `refund_approved`"), "{wrong}");
+        let none = kinds.check_signal(task, "image.generate", "approve").expect_err("no approval step");
+        assert!(none.to_string().contains("kind `image.generate` wait for no signal"), "{none}");
+        assert!(kinds.check_signal(task, "video.make", "approve").is_err(), "an undeclared kind runs nowhere");
+        assert_eq!(kinds.signal_awaited_at("ticket.triage", "approve"), Some("refund_approved"));
+        assert_eq!(kinds.signal_awaited_at("ticket.triage", "refund"), None, "a call step awaits nothing");
     }
 
     #[test]

@@ -51,7 +51,8 @@ pub struct Config {
 /// Intake's own settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct IntakeConfig {
-    /// Task kinds clients may submit, comma separated.
+    /// Task kinds clients may submit, comma separated; each should be one the
+    /// catalogue declares.
     #[arg(
         long = "kinds",
         env = "FENCELINE_INTAKE_KINDS",
@@ -122,6 +123,12 @@ pub struct IntakeConfig {
 
     #[command(flatten)]
     pub admission: admission::AdmissionConfig,
+
+    /// The catalogue the other services read (`FENCELINE_CATALOG`): the signals each
+    /// kind's approval steps wait for. Without it every well-formed signal name is
+    /// taken.
+    #[command(flatten)]
+    pub catalog: fenceline_config::catalog::OptionalCatalogConfig,
 }
 
 /// The longest value of one request header, in bytes.
@@ -148,10 +155,26 @@ struct State {
 /// Builds intake: connects and migrates its schema, starts its outbox relay, its
 /// status projection and the idempotency purge, and binds its HTTP listener.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
-    let kinds = Arc::new(
-        kinds::KindCatalog::load(&config.intake.kinds, config.intake.kind_schemas.as_deref())
-            .map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?,
-    );
+    let kinds = kinds::KindCatalog::load(&config.intake.kinds, config.intake.kind_schemas.as_deref())
+        .map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?;
+    let kinds = Arc::new(match config.intake.catalog.load()? {
+        Some(catalog) => {
+            let undeclared = kinds.undeclared_in(&catalog);
+            if !undeclared.is_empty() {
+                tracing::warn!(
+                    kinds = %undeclared.join(","),
+                    "FENCELINE_INTAKE_KINDS names kinds the catalogue does not declare: nothing runs their tasks"
+                );
+            }
+            kinds.with_signals_from(&catalog)
+        }
+        None => {
+            tracing::warn!(
+                "no catalogue (FENCELINE_CATALOG): signals are taken without knowing which ones a task waits for"
+            );
+            kinds
+        }
+    });
     let upstream_kinds = kinds.clone();
     let body_limit = config.intake.body_limit_bytes;
     let admission = admission::Admission::new(&config.intake.admission, body_limit)
@@ -515,11 +538,18 @@ async fn events(
          headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
     ),
 )]
-async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) -> Result<HttpResponse, ApiError> {
-    Ok(HttpResponse::Ok().json(tasks::read(&pool, &caller.0, task_id(&path)?).await?))
+async fn read(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(tasks::read(&pool, &state.kinds, &caller.0, task_id(&path)?).await?))
 }
 
 /// Asks for the task to be cancelled: at once if it waits, cooperatively if it runs.
+/// A finished task is refused (`409`, naming its state) unless this repeats a cancel
+/// asked before.
 #[utoipa::path(
     post, path = "/v1/tasks/{task_id}/cancel", tag = "tasks",
     params(("task_id" = String, Path, description = "The task's id")),
@@ -527,6 +557,7 @@ async fn read(caller: Caller, pool: web::Data<PgPool>, path: web::Path<String>) 
         (status = 202, description = "Asked (`repeated` if asked before)", body = actions::ActionAccepted),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`, naming its state)", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
@@ -545,7 +576,9 @@ async fn cancel(
 }
 
 /// Delivers a signal (such as an approval) to the task, once per `Idempotency-Key`
-/// or, without one, per payload.
+/// or, without one, per payload. A signal no step of the task's kind waits for is
+/// refused (`422`, naming those it takes), as is a new signal to a finished task
+/// (`409`).
 #[utoipa::path(
     post, path = "/v1/tasks/{task_id}/signals/{name}", tag = "tasks",
     params(
@@ -561,7 +594,9 @@ async fn cancel(
         (status = 400, description = "A bad name, key or payload", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`, naming its state)", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "No step of the task's kind waits for this signal (`unknown-signal`, naming those it takes)", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
@@ -593,8 +628,8 @@ async fn signal(
         return Err(ApiError::InvalidRequest("signal payload: must be a JSON object".into()));
     }
     tasks::storable("signal payload", &payload)?;
-    let key = key.as_ref().map(IdempotencyKey::as_str);
-    let accepted = actions::signal(&pool, &state.outbox, &caller.0, task_id(&raw_id)?, name, key, &payload).await?;
+    let request = actions::SignalRequest { name, key: key.as_ref().map(IdempotencyKey::as_str), payload: &payload };
+    let accepted = actions::signal(&pool, &state.outbox, &state.kinds, &caller.0, task_id(&raw_id)?, request).await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
 
@@ -610,7 +645,7 @@ async fn signal(
         (status = 400, description = "A bad resolution", body = problem::Problem, content_type = "application/problem+json"),
         (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The task does not wait for a person, its case changed, or the case was already resolved otherwise", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`), does not wait for a person, its case changed, or the case was already resolved otherwise", body = problem::Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
         (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),

@@ -31,6 +31,10 @@ pub enum ApiError {
     #[error("{0}")]
     AlreadyResolved(String),
     #[error("{0}")]
+    TaskFinished(String),
+    #[error("{0}")]
+    UnknownSignal(String),
+    #[error("{0}")]
     InputInvalid(String),
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -77,6 +81,8 @@ impl ApiError {
             ApiError::NotResolvable(_) => "/problems/not-resolvable",
             ApiError::CaseChanged(_) => "/problems/case-changed",
             ApiError::AlreadyResolved(_) => "/problems/already-resolved",
+            ApiError::TaskFinished(_) => "/problems/task-finished",
+            ApiError::UnknownSignal(_) => "/problems/unknown-signal",
             ApiError::InputInvalid(_) => "/problems/input-invalid",
             ApiError::PayloadTooLarge(_) => "/problems/payload-too-large",
             ApiError::TooManyRequests { .. } => "/problems/too-many-requests",
@@ -107,6 +113,8 @@ impl ApiError {
             ApiError::NotResolvable(_) => "Task cannot be resolved",
             ApiError::CaseChanged(_) => "The task's case changed",
             ApiError::AlreadyResolved(_) => "The case was already resolved",
+            ApiError::TaskFinished(_) => "The task is already finished",
+            ApiError::UnknownSignal(_) => "The task never waits for this signal",
             ApiError::InputInvalid(_) => "Input does not match its kind's schema",
             ApiError::PayloadTooLarge(_) => "Payload too large",
             ApiError::TooManyRequests { .. } => "Too many requests",
@@ -124,12 +132,14 @@ impl ResponseError for ApiError {
             ApiError::InvalidRequest(_) | ApiError::IdempotencyKeyMissing | ApiError::IdempotencyKeyInvalid(_) => {
                 StatusCode::BAD_REQUEST
             }
-            ApiError::IdempotencyKeyReused | ApiError::UnknownKind(_) | ApiError::InputInvalid(_) => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
-            ApiError::NotResolvable(_) | ApiError::CaseChanged(_) | ApiError::AlreadyResolved(_) => {
-                StatusCode::CONFLICT
-            }
+            ApiError::IdempotencyKeyReused
+            | ApiError::UnknownKind(_)
+            | ApiError::InputInvalid(_)
+            | ApiError::UnknownSignal(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::NotResolvable(_)
+            | ApiError::CaseChanged(_)
+            | ApiError::AlreadyResolved(_)
+            | ApiError::TaskFinished(_) => StatusCode::CONFLICT,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,

@@ -464,7 +464,7 @@ impl From<Row> for TaskView {
 
 /// The task as the caller's tenant sees it. Another tenant's task is not found,
 /// exactly like a task that does not exist.
-pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<TaskView, ApiError> {
+pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: TaskId) -> Result<TaskView, ApiError> {
     let row: Option<Row> = sqlx::query_as(&format!("{SELECT_ROWS} WHERE t.task_id = $1 AND t.tenant = $2"))
         .bind(task_id.as_uuid())
         .bind(tenant.as_str())
@@ -506,8 +506,12 @@ pub async fn read(pool: &PgPool, tenant: &Tenant, task_id: TaskId) -> Result<Tas
     let timeline = crate::timeline::read(pool, task_id, TIMELINE_LIMIT).await?;
     view.trace_id = timeline.iter().find_map(|line| line.trace_id.clone());
     if view.state == TaskState::AwaitingApproval.as_str() {
+        // The executor's announcement of the wait may arrive after the scheduler's
+        // status: until then the catalogue says what the step waits for.
         view.awaiting_signal =
-            timeline.iter().rev().find(|line| line.event == "AwaitingSignal").and_then(|l| l.signal.clone());
+            timeline.iter().rev().find(|line| line.event == "AwaitingSignal").and_then(|l| l.signal.clone()).or_else(
+                || view.step.as_deref().and_then(|step| kinds.signal_awaited_at(&view.kind, step)).map(str::to_owned),
+            );
     }
     view.timeline = Some(timeline);
     Ok(view)

@@ -441,6 +441,22 @@ impl CatalogConfig {
     }
 }
 
+/// Where the catalogue file is, for a service that also runs without one (intake,
+/// which then cannot tell which signals a task's kind waits for).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct OptionalCatalogConfig {
+    /// The provider and task-kind catalogue, a JSON file (docs/catalog.md).
+    #[arg(long = "catalog", env = "FENCELINE_CATALOG")]
+    pub catalog: Option<std::path::PathBuf>,
+}
+
+impl OptionalCatalogConfig {
+    /// The catalogue, read and checked as every service reads it; `None` when none is configured.
+    pub fn load(&self) -> Result<Option<Catalog>, Error> {
+        self.catalog.as_deref().map(Catalog::load).transpose()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,14 +10,14 @@ use secrecy::SecretString;
 
 const EXIT_CODES: &str = "\
 Exit codes:
-  0  done (watch: the task succeeded)
+  0  done (watch: the task succeeded; resolve --watch: it reached the outcome chosen)
   1  anything else (an answer that could not be read)
   2  bad command line or input, or a request intake refused as malformed (400, 413, 415, 422, 431)
   3  no such task for this tenant (404)
-  4  conflict (409; an Idempotency-Key reused for a different request)
+  4  conflict (409, such as a task already finished; an Idempotency-Key reused for a different request)
   5  no valid token (401)
   6  the service is unreachable or failed (5xx, refused connection, time-out)
-  7  a watched task ended without succeeding, or waits for a person
+  7  a watched task ended otherwise, or waits for a person
   8  watch --timeout-s ran out; the task goes on";
 
 /// `fenceline`: submit, read, follow and act on Fenceline tasks through intake's API.
@@ -76,11 +76,18 @@ pub enum Command {
     /// Asks for a task to be cancelled: at once if nothing runs, cooperatively if
     /// an attempt runs. Asking again changes nothing.
     Cancel { task_id: TaskId },
-    /// Approves a task waiting for an approval: sends the signal its step waits for
-    /// (`get` shows it in the reason: "waiting for the signal `NAME`").
+    /// Approves a task waiting for an approval: sends the signal its step waits for.
+    ///
+    /// Without --signal, the signal the task awaits now (`get` shows it as
+    /// "awaiting signal"); a task that awaits none is refused here (exit 2, or 4 if
+    /// it finished). A signal no step of the task's kind waits for is refused by
+    /// intake (exit 2), as is a new signal to a finished task (exit 4).
     Approve(ApproveArgs),
     /// Resolves the case of a task in outcome_unknown or needs_human, naming the
     /// case that `get` showed.
+    ///
+    /// With --watch, exit 0 when the task reaches the outcome chosen (accept-failed:
+    /// failed; retry-as-new and attach-result: succeeded), 7 when it stops otherwise.
     Resolve(ResolveArgs),
     /// Lists what the reconciler's audit found: tasks without progress or without a
     /// live expectation (`GET /v1/audit`, with the audit token).
@@ -174,9 +181,9 @@ pub struct Polling {
 #[derive(Debug, Args)]
 pub struct ApproveArgs {
     pub task_id: TaskId,
-    /// The signal the approval step waits for, such as refund_approved.
+    /// The signal to send, such as refund_approved; by default the one the task awaits.
     #[arg(long)]
-    pub signal: String,
+    pub signal: Option<String>,
     /// A JSON object sent with the approval (who approved, why).
     #[arg(long)]
     pub payload: Option<String>,
@@ -240,6 +247,14 @@ impl Resolution {
             Resolution::RetryAsNew => ResolutionAction::RetryAsNew,
             Resolution::AcceptFailed => ResolutionAction::AcceptFailed,
             Resolution::AttachResult => ResolutionAction::AttachResult,
+        }
+    }
+
+    /// The final state the person chose: what `resolve --watch` waits to see.
+    pub fn outcome(self) -> TaskState {
+        match self {
+            Resolution::AcceptFailed => TaskState::Failed,
+            Resolution::RetryAsNew | Resolution::AttachResult => TaskState::Succeeded,
         }
     }
 }
@@ -368,5 +383,12 @@ mod tests {
         let Command::Resolve(resolve) = parsed.command else { panic!("resolve") };
         assert!(resolve.i_accept_a_second_charge);
         assert_eq!(resolve.action.action(), ResolutionAction::RetryAsNew);
+    }
+
+    #[test]
+    fn each_resolution_is_watched_for_the_outcome_it_chooses() {
+        assert_eq!(Resolution::AcceptFailed.outcome(), TaskState::Failed);
+        assert_eq!(Resolution::RetryAsNew.outcome(), TaskState::Succeeded);
+        assert_eq!(Resolution::AttachResult.outcome(), TaskState::Succeeded);
     }
 }

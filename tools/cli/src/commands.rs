@@ -5,10 +5,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::TaskState;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 
-use crate::args::{Cli, Command, IntakeAdmin, ListArgs, Resolution, ResolveArgs, SubmitArgs, TokensCommand};
+use crate::args::{
+    ApproveArgs, Cli, Command, IntakeAdmin, ListArgs, Resolution, ResolveArgs, SubmitArgs, TokensCommand,
+};
 use crate::client::Client;
 use crate::render::{self, Accepted, ActionAccepted, Findings, Page, TaskView};
 use crate::{Error, Exit, watch};
@@ -43,19 +46,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
             action(out, json, &answer.text, &answer.parse()?)?;
             Ok(Exit::Ok)
         }
-        Command::Approve(args) => {
-            let payload = args.payload.as_deref().map(|p| json_object("--payload", p)).transpose()?;
-            let headers: Vec<(&str, &str)> = args.key.as_deref().map(|k| ("Idempotency-Key", k)).into_iter().collect();
-            let path = format!("/v1/tasks/{}/signals/{}", args.task_id, args.signal);
-            let client = intake()?;
-            let before = if args.watch { Some(version(&client, args.task_id)?) } else { None };
-            let answer = client.post(&path, payload.as_ref(), &headers)?;
-            action(out, json, &answer.text, &answer.parse()?)?;
-            match before {
-                Some(before) => watch::task_after(&client, args.task_id, Some(before), args.polling, json, out),
-                None => Ok(Exit::Ok),
-            }
-        }
+        Command::Approve(args) => approve(&intake()?, args, json, out),
         Command::Resolve(args) => resolve(&intake()?, args, json, out),
         Command::Audit(args) => {
             let token = token(args.audit_token, args.audit_token_file.as_deref())?;
@@ -220,6 +211,43 @@ fn list(client: &Client, args: ListArgs, json: bool, out: &mut dyn Write) -> Res
     Ok(Exit::Ok)
 }
 
+/// Sends the signal named, or the one the task awaits now.
+fn approve(client: &Client, args: ApproveArgs, json: bool, out: &mut dyn Write) -> Result<Exit, Error> {
+    let payload = args.payload.as_deref().map(|p| json_object("--payload", p)).transpose()?;
+    let headers: Vec<(&str, &str)> = args.key.as_deref().map(|k| ("Idempotency-Key", k)).into_iter().collect();
+    let (signal, before) = match args.signal {
+        Some(signal) => (signal, if args.watch { Some(version(client, args.task_id)?) } else { None }),
+        None => {
+            let task: TaskView = client.get(&format!("/v1/tasks/{}", args.task_id), &[])?.parse()?;
+            (awaited_signal(&task)?, Some(task.version))
+        }
+    };
+    let answer = client.post(&format!("/v1/tasks/{}/signals/{signal}", args.task_id), payload.as_ref(), &headers)?;
+    action(out, json, &answer.text, &answer.parse()?)?;
+    match before.filter(|_| args.watch) {
+        Some(before) => {
+            watch::task_after(client, args.task_id, Some(before), TaskState::Succeeded, args.polling, json, out)
+        }
+        None => Ok(Exit::Ok),
+    }
+}
+
+/// The signal a task awaits now, or why there is none to send.
+fn awaited_signal(task: &TaskView) -> Result<String, Error> {
+    if let Some(signal) = &task.awaiting_signal {
+        return Ok(signal.clone());
+    }
+    let id = task.task_id;
+    if task.state.is_final() {
+        return Err(Error::Conflict(format!("task {id} is already {}; nothing to approve", task.state)));
+    }
+    Err(Error::Usage(format!(
+        "task {id} is {} and awaits no signal now; to send one ahead of its wait, name it: \
+         fenceline approve {id} --signal NAME",
+        task.state
+    )))
+}
+
 fn resolve(client: &Client, args: ResolveArgs, json: bool, out: &mut dyn Write) -> Result<Exit, Error> {
     if args.action == Resolution::RetryAsNew && !args.i_accept_a_second_charge {
         return Err(Error::Usage(
@@ -242,7 +270,9 @@ fn resolve(client: &Client, args: ResolveArgs, json: bool, out: &mut dyn Write) 
     let answer = client.post(&format!("/v1/tasks/{}/resolution", args.task_id), Some(&body), &[])?;
     action(out, json, &answer.text, &answer.parse()?)?;
     match before {
-        Some(before) => watch::task_after(client, args.task_id, Some(before), args.polling, json, out),
+        Some(before) => {
+            watch::task_after(client, args.task_id, Some(before), args.action.outcome(), args.polling, json, out)
+        }
         None => Ok(Exit::Ok),
     }
 }
@@ -300,6 +330,27 @@ mod tests {
         assert!(matches!(read_input("[1]"), Err(Error::Usage(_))));
         assert!(matches!(read_input("{nope"), Err(Error::Usage(_))));
         assert!(matches!(read_input("@/nonexistent/input.json"), Err(Error::Usage(_))));
+    }
+
+    #[test]
+    fn approve_sends_the_signal_the_task_awaits_or_says_why_there_is_none() {
+        let task = |state: &str, signal: Option<&str>| -> TaskView {
+            serde_json::from_value(json!({
+                "task_id": "0190e0b4-7c1c-7c44-a7a5-6a2f0b8a1f00", "kind": "ticket.triage", "state": state,
+                "reason": null, "attempt": 1, "step": "approve", "phase": null, "next_attempt_at": null,
+                "result": null, "case_id": null, "updated_at": "2026-12-01T12:00:00Z", "version": 3,
+                "awaiting_signal": signal
+            }))
+            .expect("a task view")
+        };
+        let awaited = awaited_signal(&task("awaiting_approval", Some("refund_approved")));
+        assert_eq!(awaited.expect("awaited"), "refund_approved");
+        let running = awaited_signal(&task("running", None)).expect_err("awaits none");
+        assert_eq!(running.exit(), Exit::Usage);
+        assert!(running.to_string().contains("awaits no signal now"), "{running}");
+        let finished = awaited_signal(&task("succeeded", None)).expect_err("finished");
+        assert_eq!(finished.exit(), Exit::Conflict);
+        assert!(finished.to_string().contains("is already succeeded; nothing to approve"), "{finished}");
     }
 
     #[test]

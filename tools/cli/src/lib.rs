@@ -12,7 +12,8 @@ pub mod watch;
 /// Do not change: scripts test these numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
-    /// Done; for `watch`, the task succeeded.
+    /// Done; for `watch`, the task succeeded (for `resolve --watch`, it reached the
+    /// outcome chosen).
     Ok = 0,
     /// Anything else: an answer that could not be read, output that could not be written.
     Failed = 1,
@@ -20,13 +21,15 @@ pub enum Exit {
     Usage = 2,
     /// No such task for this tenant (404).
     NotFound = 3,
-    /// The request conflicts with what is recorded (409; an Idempotency-Key reused for another request).
+    /// The request conflicts with what is recorded (409, such as a task already
+    /// finished; an Idempotency-Key reused for another request).
     Conflict = 4,
     /// No token, or the token was refused (401, 403).
     Refused = 5,
     /// The service could not be reached or failed (5xx, connection refused, timed out).
     Unavailable = 6,
-    /// A watched task ended without succeeding (failed, cancelled) or waits for a
+    /// A watched task ended without succeeding (failed, cancelled; after
+    /// `resolve --watch`, in a state other than the one chosen) or waits for a
     /// person (awaiting_approval, outcome_unknown, needs_human).
     NotSucceeded = 7,
     /// `watch --timeout-s` ran out before the task ended; the task goes on.
@@ -44,6 +47,9 @@ impl Exit {
 pub enum Error {
     #[error("{0}")]
     Usage(String),
+    /// What was asked cannot apply to the task as it is (it finished, say).
+    #[error("{0}")]
+    Conflict(String),
     #[error("no token: give --token-file or --token, or set FENCELINE_TOKEN_FILE or FENCELINE_TOKEN")]
     NoToken,
     #[error("{0}")]
@@ -63,6 +69,7 @@ impl Error {
     pub fn exit(&self) -> Exit {
         match self {
             Error::Usage(_) | Error::NoToken => Exit::Usage,
+            Error::Conflict(_) => Exit::Conflict,
             Error::Problem(problem) => match (problem.status, problem.problem_type.as_deref()) {
                 (_, Some("/problems/idempotency-key-reused")) | (409, _) => Exit::Conflict,
                 (404, _) => Exit::NotFound,

@@ -34,6 +34,9 @@ pub struct TaskView {
     pub case: Option<CaseView>,
     #[serde(default)]
     pub attempts: Option<Vec<AttemptView>>,
+    /// Single reads of a task in `awaiting_approval`: the signal its step waits for.
+    #[serde(default)]
+    pub awaiting_signal: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -181,6 +184,9 @@ pub fn task(out: &mut dyn Write, task: &TaskView) -> Result<(), Error> {
     ] {
         fields.add_row([name.to_owned(), value]);
     }
+    if let Some(signal) = &task.awaiting_signal {
+        fields.add_row(["awaiting signal".to_owned(), signal.clone()]);
+    }
     write_table(out, &fields)?;
     if let Some(attempts) = task.attempts.as_ref().filter(|a| !a.is_empty()) {
         writeln!(out, "\nattempts:")?;
@@ -254,15 +260,26 @@ pub fn change(task: &TaskView) -> String {
     )
 }
 
-/// What a person can do next with a task that waits for one, as a command line.
+/// What a person can do next with a task that waits for one, as a command line
+/// that runs as printed: the signal the task awaits, the case it shows.
 pub fn next_step(task: &TaskView) -> Option<String> {
+    let id = task.task_id;
     match task.state {
-        TaskState::AwaitingApproval => Some(format!("approve it: fenceline approve {} --signal NAME", task.task_id)),
-        TaskState::OutcomeUnknown | TaskState::NeedsHuman => Some(format!(
-            "read its case with `fenceline get {id}`, then: fenceline resolve {id} ACTION --case {case}",
-            id = task.task_id,
-            case = task.case_id.as_deref().unwrap_or("CASE")
-        )),
+        TaskState::AwaitingApproval => Some(match &task.awaiting_signal {
+            Some(signal) => format!("approve it: fenceline approve {id} --signal {signal}"),
+            // A listing does not say which signal; `approve` reads it from the task.
+            None => format!("approve it: fenceline approve {id}"),
+        }),
+        TaskState::OutcomeUnknown | TaskState::NeedsHuman => {
+            let case = task.case_id.as_deref().or(task.case.as_ref().map(|c| c.case_id.as_str()));
+            Some(match case {
+                Some(case) => format!(
+                    "read its case with `fenceline get {id}`, then: \
+                     fenceline resolve {id} accept-failed|retry-as-new|attach-result --case {case}"
+                ),
+                None => format!("read its case with `fenceline get {id}`: it names the case to resolve"),
+            })
+        }
         _ => None,
     }
 }
@@ -300,6 +317,22 @@ mod tests {
         assert!(shown.contains("last durable phase call_intent"), "{shown}");
         assert!(shown.contains("retry-as-new") && shown.contains("--case case-1"), "{shown}");
         assert!(next_step(&task).is_some_and(|s| s.contains("--case case-1")));
+    }
+
+    #[test]
+    fn the_next_step_names_the_signal_the_task_awaits() {
+        let mut sample = sample();
+        sample["state"] = "awaiting_approval".into();
+        sample["awaiting_signal"] = "refund_approved".into();
+        let task = view(sample.clone());
+        let hint = next_step(&task).expect("a hint");
+        assert!(hint.ends_with(&format!("fenceline approve {} --signal refund_approved", task.task_id)), "{hint}");
+        let mut out = Vec::new();
+        super::task(&mut out, &task).expect("written");
+        assert!(String::from_utf8(out).expect("utf-8").contains("refund_approved"), "shown by get");
+        sample.as_object_mut().expect("object").remove("awaiting_signal");
+        let hint = next_step(&view(sample)).expect("a hint");
+        assert!(hint.ends_with(&format!("fenceline approve {}", task.task_id)), "{hint}");
     }
 
     #[test]

@@ -103,9 +103,10 @@ impl<'a> Poller<'a> {
     }
 }
 
-/// How a watch ends for a task in an end state: 0 only when it succeeded.
-fn verdict(task: &TaskView) -> Exit {
-    if task.state == TaskState::Succeeded {
+/// How a watch ends for a task where a watch stops: 0 only when it reached the
+/// state that was wanted (`succeeded`, or the outcome a resolution chose).
+fn verdict(task: &TaskView, wanted: TaskState) -> Exit {
+    if task.state == wanted {
         return Exit::Ok;
     }
     if let Some(next) = render::next_step(task) {
@@ -114,7 +115,7 @@ fn verdict(task: &TaskView) -> Exit {
     Exit::NotSucceeded
 }
 
-/// Follows one task until it ends or waits for a person.
+/// Follows one task until it ends or waits for a person; 0 when it succeeded.
 pub fn task(
     client: &Client,
     task_id: TaskId,
@@ -122,16 +123,18 @@ pub fn task(
     json: bool,
     out: &mut dyn Write,
 ) -> Result<Exit, Error> {
-    task_after(client, task_id, None, polling, json, out)
+    task_after(client, task_id, None, TaskState::Succeeded, polling, json, out)
 }
 
-/// As [`task`], but a state of status version `past` or older does not end the
-/// watch: after an approval or a resolution, the task still shows the wait the
-/// action ends until the scheduler has applied it.
+/// As [`task`], but 0 when the task stops in `wanted`, and a state of status
+/// version `past` or older does not end the watch: after an approval or a
+/// resolution, the task still shows the wait the action ends until the scheduler
+/// has applied it.
 pub fn task_after(
     client: &Client,
     task_id: TaskId,
     past: Option<i64>,
+    wanted: TaskState,
     polling: Polling,
     json: bool,
     out: &mut dyn Write,
@@ -144,7 +147,7 @@ pub fn task_after(
             let task: TaskView = answer.parse()?;
             poller.show(out, &task, Some(&raw))?;
             if render::ends_watch(task.state) && past.is_none_or(|version| task.version > version) {
-                return Ok(verdict(&task));
+                return Ok(verdict(&task, wanted));
             }
         }
         poller.wait()?;
@@ -161,7 +164,7 @@ pub fn label(client: &Client, label: &str, polling: Polling, json: bool, out: &m
                 poller.show(out, task, Some(raw))?;
             }
             if !tasks.is_empty() && tasks.iter().all(|(t, _)| render::ends_watch(t.state)) {
-                let verdicts: Vec<Exit> = tasks.iter().rev().map(|(t, _)| verdict(t)).collect();
+                let verdicts: Vec<Exit> = tasks.iter().rev().map(|(t, _)| verdict(t, TaskState::Succeeded)).collect();
                 return Ok(if verdicts.iter().all(|v| *v == Exit::Ok) { Exit::Ok } else { Exit::NotSucceeded });
             }
         }

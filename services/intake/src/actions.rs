@@ -124,6 +124,22 @@ pub fn parse_signal_name(name: &str) -> Result<&str, ApiError> {
     if valid { Ok(name) } else { Err(ApiError::InvalidRequest(format!("`{name}` is not a valid signal name"))) }
 }
 
+/// Why a signal's payload cannot be sent: it says no (`"approved": false`, or a
+/// `decision` of `reject`), while a signal only approves the wait it answers. Sent
+/// anyway, it would approve what its sender refused.
+pub fn refusal_in_payload(payload: &serde_json::Value) -> Option<String> {
+    let says_no = payload.get("approved").is_some_and(|v| v == false || v == "false")
+        || payload
+            .get("decision")
+            .and_then(|v| v.as_str())
+            .is_some_and(|d| ["reject", "rejected", "deny", "denied", "no"].contains(&d.to_ascii_lowercase().as_str()));
+    says_no.then(|| {
+        "signal payload: it says no, and a signal only approves the wait it answers; nothing was sent. To stop \
+         the task, cancel it"
+            .to_owned()
+    })
+}
+
 /// The identity of a signal sent without an `Idempotency-Key`: the payload's
 /// sha256, scoped to the task's generation (the `retry_as_new` resolutions before
 /// it), so the same approval sent twice is one signal while a new generation, which
@@ -354,4 +370,26 @@ pub async fn resolve(
     tx.commit().await?;
     outbox.committed();
     Ok(ActionAccepted { task_id, action: action.as_str().to_owned(), repeated: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::refusal_in_payload;
+
+    #[test]
+    fn a_payload_that_says_no_is_never_sent_as_an_approval() {
+        for no in [
+            json!({"approved": false}),
+            json!({"approved": "false", "note": "amount too high"}),
+            json!({"decision": "Reject"}),
+            json!({"decision": "denied"}),
+        ] {
+            assert!(refusal_in_payload(&no).is_some(), "{no}");
+        }
+        for yes in [json!(null), json!({}), json!({"approved": true}), json!({"approved_by": "ana"})] {
+            assert!(refusal_in_payload(&yes).is_none(), "{yes}");
+        }
+    }
 }

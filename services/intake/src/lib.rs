@@ -628,6 +628,9 @@ async fn signal(
         return Err(ApiError::InvalidRequest("signal payload: must be a JSON object".into()));
     }
     tasks::storable("signal payload", &payload)?;
+    if let Some(refusal) = actions::refusal_in_payload(&payload) {
+        return Err(ApiError::InvalidRequest(refusal));
+    }
     let request = actions::SignalRequest { name, key: key.as_ref().map(IdempotencyKey::as_str), payload: &payload };
     let accepted = actions::signal(&pool, &state.outbox, &state.kinds, &caller.0, task_id(&raw_id)?, request).await?;
     Ok(HttpResponse::Accepted().json(accepted))

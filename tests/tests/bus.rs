@@ -1,5 +1,5 @@
-//! The fenced consumer and the outbox relay against the real broker and Postgres
-//! (issue: the backbone). Each test has its own database and topics.
+//! The fenced consumer and the outbox relay against the real broker and Postgres.
+//! Each test has its own database and topics.
 
 use std::collections::HashSet;
 use std::time::Duration;

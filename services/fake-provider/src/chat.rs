@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 
-use super::{Call, Charge, Operation, Rule, Serving, Shared, Target, broken, unix_micros};
+use super::{Call, Operation, Rule, Serving, Shared, Target, broken, unix_micros};
 
 /// The operation name chat completions are recorded and matched by.
 pub const OPERATION: &str = "chat.completions";
@@ -111,34 +111,19 @@ pub(crate) async fn chat_completions(req: HttpRequest, shared: web::Data<Shared>
         std::future::pending::<()>().await;
     }
     // The work, once per key when the provider dedupes.
-    let (op, replayed) = {
-        let mut state = shared.lock();
-        let existing = match (&key, state.capabilities.idempotency_keys) {
-            (Some(k), true) => state.by_key.get(k).and_then(|id| state.operations.get(id)).cloned(),
-            _ => None,
-        };
-        match existing {
-            Some(op) => (op, true),
-            None => {
-                let request_id = format!("chatcmpl-{}", uuid::Uuid::now_v7().simple());
-                let op = Operation {
-                    request_id: request_id.clone(),
-                    operation: OPERATION.to_owned(),
-                    key: key.clone(),
-                    content: serde_json::to_vec(&completion(&request_id, &chat)).unwrap_or_default(),
-                    corrupt: false,
-                    serving: Serving::Here,
-                    ready_at: tokio::time::Instant::now(),
-                };
-                state.operations.insert(request_id.clone(), op.clone());
-                if let Some(k) = &key {
-                    state.by_key.entry(k.clone()).or_insert(request_id.clone());
-                }
-                state.charges.push(Charge { request_id, operation_key: key.clone(), cents: shared.price_cents });
-                (op, false)
-            }
-        }
-    };
+    let (op, replayed) = shared.work_once_per_key(
+        key.as_deref(),
+        |_, request_id| Operation {
+            request_id: request_id.to_owned(),
+            operation: OPERATION.to_owned(),
+            key: key.clone(),
+            content: serde_json::to_vec(&completion(request_id, &chat)).unwrap_or_default(),
+            corrupt: false,
+            serving: Serving::Here,
+            ready_at: tokio::time::Instant::now(),
+        },
+        "chatcmpl",
+    );
     let after_work = rule.status_after_work.map(|status| format!("status_after_work:{status}"));
     let outcome = match (&after_work, rule.drop_after_accept, replayed) {
         (_, true, _) => "dropped",

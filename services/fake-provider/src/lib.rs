@@ -330,6 +330,31 @@ impl Shared {
     }
 
     /// Takes the first rule for `on` that matches and `applies`, counting it down.
+    /// The operation under `key` when the provider dedupes and has one (a replay,
+    /// `true`); else a new operation `make` builds under a fresh request id with
+    /// `prefix`, registered, visible to look-ups by its key, and charged.
+    fn work_once_per_key(
+        &self,
+        key: Option<&str>,
+        make: impl FnOnce(&State, &str) -> Operation,
+        prefix: &str,
+    ) -> (Operation, bool) {
+        let mut state = self.lock();
+        if state.capabilities.idempotency_keys
+            && let Some(op) = key.and_then(|k| state.by_key.get(k)).and_then(|id| state.operations.get(id))
+        {
+            return (op.clone(), true);
+        }
+        let request_id = format!("{prefix}-{}", uuid::Uuid::now_v7().simple());
+        let op = make(&state, &request_id);
+        state.operations.insert(request_id.clone(), op.clone());
+        if let Some(k) = key {
+            state.by_key.entry(k.to_owned()).or_insert(request_id.clone());
+        }
+        state.charges.push(Charge { request_id, operation_key: key.map(str::to_owned), cents: self.price_cents });
+        (op, false)
+    }
+
     fn take_rule(
         &self,
         on: Target,
@@ -557,37 +582,22 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     // Work, once per key when the provider dedupes.
-    let (op, replayed) = {
-        let mut state = shared.lock();
-        let existing = match (&key, state.capabilities.idempotency_keys) {
-            (Some(k), true) => state.by_key.get(k).and_then(|id| state.operations.get(id)).cloned(),
-            _ => None,
-        };
-        match existing {
-            Some(op) => (op, true),
-            None => {
-                let request_id = format!("req-{}", uuid::Uuid::now_v7().simple());
-                let content = format!("{}:{}:{request_id}", start.operation, start.input).into_bytes();
-                let delay =
-                    latency + if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
-                let op = Operation {
-                    request_id: request_id.clone(),
-                    operation: start.operation.clone(),
-                    key: key.clone(),
-                    content,
-                    corrupt: rule.corrupt_artifact,
-                    serving: rule.serve_artifact.unwrap_or_default(),
-                    ready_at: tokio::time::Instant::now() + delay,
-                };
-                state.operations.insert(request_id.clone(), op.clone());
-                if let Some(k) = &key {
-                    state.by_key.entry(k.clone()).or_insert(request_id.clone());
-                }
-                state.charges.push(Charge { request_id, operation_key: key.clone(), cents: shared.price_cents });
-                (op, false)
+    let (op, replayed) = shared.work_once_per_key(
+        key.as_deref(),
+        |state, request_id| {
+            let delay = latency + if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
+            Operation {
+                request_id: request_id.to_owned(),
+                operation: start.operation.clone(),
+                key: key.clone(),
+                content: format!("{}:{}:{request_id}", start.operation, start.input).into_bytes(),
+                corrupt: rule.corrupt_artifact,
+                serving: rule.serve_artifact.unwrap_or_default(),
+                ready_at: tokio::time::Instant::now() + delay,
             }
-        }
-    };
+        },
+        "req",
+    );
     let is_async = shared.lock().capabilities.async_results;
     // The call is in the log from the moment the work is registered: a caller
     // that stops while the provider is still rendering has been received.

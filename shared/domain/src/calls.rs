@@ -105,7 +105,7 @@ impl ErrorTable {
 
     /// Whether an answer to a start says the same key is still being worked on.
     fn in_progress(&self, outcome: &CallOutcome) -> bool {
-        matches!(outcome, CallOutcome::Answered { status: 409, class_named: None, .. })
+        matches!(outcome, CallOutcome::Answered { status: 409, .. })
             && self.dedupes
             && !self.overrides.contains_key(&409)
     }
@@ -126,6 +126,11 @@ pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classificat
             if (500..=599).contains(status) && !table.vouches_for(*status, *problem_body) {
                 return Some(of(ErrorClass::Ambiguous, None));
             }
+            // The key was sent and a request with it may be running (and billing):
+            // whatever class the body names, this request proves nothing done.
+            if *status == 409 && table.keyed && !table.dedupes && !table.overrides.contains_key(&409) {
+                return Some(of(ErrorClass::Ambiguous, None));
+            }
             if let Some(class) = class_named
                 && !(200..=299).contains(status)
             {
@@ -133,9 +138,6 @@ pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classificat
             }
             if let Some(class) = table.overrides.get(status) {
                 return Some(of(*class, *retry_after));
-            }
-            if *status == 409 && table.keyed && !table.dedupes {
-                return Some(of(ErrorClass::Ambiguous, None));
             }
             match status {
                 200..=299 => None,
@@ -405,10 +407,17 @@ mod tests {
         assert_eq!(class(&server, &ErrorTable::default()), Some(ErrorClass::Ambiguous));
         assert_eq!(class(&server, &safe(&[500])), Some(ErrorClass::ProviderFailed));
         assert_eq!(class(&named(504, ErrorClass::Throttled, true), &safe(&[503])), Some(ErrorClass::Ambiguous));
-        // A 409 whose body names its class is not "the same key still runs".
+        // At a provider that dedupes, a 409 is the same key still running whatever
+        // class its body names (Stripe's `idempotency_key_in_use` comes as an
+        // `invalid_request_error`): read as "rejected", the task would end while
+        // the first request pays. Only the catalogue's own override of 409 decides.
         let table = ErrorTable { dedupes: true, keyed: true, ..ErrorTable::default() };
-        assert!(!table.in_progress(&named(409, ErrorClass::Rejected, true)));
+        assert!(table.in_progress(&named(409, ErrorClass::Rejected, true)));
         assert!(table.in_progress(&answered(409)));
+        // At one that is sent the key but does not dedupe, the earlier request may
+        // bill: in doubt, whatever the body names.
+        let keyed = ErrorTable { keyed: true, ..ErrorTable::default() };
+        assert_eq!(class(&named(409, ErrorClass::Rejected, true), &keyed), Some(ErrorClass::Ambiguous));
     }
 
     #[test]

@@ -389,11 +389,12 @@ impl Catalog {
         for (name, provider) in &catalog.providers {
             if let Some(dialect) = &provider.dialect {
                 if provider.auth_header_env.is_some()
-                    && dialect.request.headers.keys().any(|h| h.eq_ignore_ascii_case("authorization"))
+                    && let Some(header) =
+                        dialect.request.headers.keys().find(|h| h.eq_ignore_ascii_case(&dialect.auth_header))
                 {
                     return Err(Error(format!(
-                        "provider `{name}`: dialect.request.headers.Authorization: the credential comes from \
-                         auth_header_env; a template would send a second Authorization header"
+                        "provider `{name}`: dialect.request.headers.{header}: the credential comes from \
+                         auth_header_env; a template would send a second {header} header"
                     )));
                 }
                 let caps = &provider.capabilities;

@@ -15,6 +15,10 @@ use crate::Error;
 pub struct DialectSpec {
     /// How the request is built.
     pub request: DialectRequest,
+    /// The header that carries the credential of `auth_header_env`, sent as the
+    /// variable holds it (default `Authorization`; Anthropic's is `x-api-key`).
+    #[serde(default = "default_auth_header")]
+    pub auth_header: String,
     /// The header that carries the operation key, for a provider that dedupes by it.
     #[serde(default)]
     pub idempotency_header: Option<String>,
@@ -34,6 +38,10 @@ pub struct DialectSpec {
     /// JSON text (default 1 MiB); a larger one is read as ambiguous, never as done.
     #[serde(default = "default_max_inline_result_bytes")]
     pub max_inline_result_bytes: u64,
+}
+
+fn default_auth_header() -> String {
+    "Authorization".to_owned()
 }
 
 fn default_max_inline_result_bytes() -> u64 {
@@ -103,6 +111,11 @@ pub struct DialectAnswer {
     /// Vendor error type → error class (`insufficient_quota` → `not_authorised`).
     #[serde(default)]
     pub error_classes: BTreeMap<String, String>,
+    /// A header by which the vendor says whether a failed request may be sent
+    /// again (`Stripe-Should-Retry`): `false` on a 4xx names it `rejected`, unless
+    /// the error type named a class. It never makes a 5xx or a 409 safe.
+    #[serde(default)]
+    pub should_retry_header: Option<String>,
 }
 
 /// Which statuses mean what; the defaults are the protocol's error table.
@@ -169,8 +182,9 @@ pub struct DialectThrottling {
     /// Read `Retry-After`, in seconds or as an HTTP date (default `true`).
     #[serde(default = "default_true")]
     pub retry_after: bool,
-    /// Headers holding how long until a limit resets, as `1s`, `6m0s`, `20ms`
-    /// (`x-ratelimit-reset-requests`); the longest wait is honoured.
+    /// Headers saying when a limit resets: a duration as `1s`, `6m0s`, `20ms`
+    /// (OpenAI's `x-ratelimit-reset-requests`), seconds, or an RFC 3339 instant
+    /// (Anthropic's `anthropic-ratelimit-requests-reset`); the longest wait is honoured.
     #[serde(default)]
     pub reset_headers: Vec<String>,
 }
@@ -302,6 +316,12 @@ pub fn check(
             }
         }
     }
+    let header_name = |name: &str| {
+        !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    };
+    if !header_name(&dialect.auth_header) {
+        return refuse("auth_header", format!("`{}` is not an HTTP header name", dialect.auth_header));
+    }
     if dialect.request.body.is_some() && dialect.request.form.is_some() {
         return refuse("request", "a `body` template or a `form`, not both".to_owned());
     }
@@ -321,6 +341,9 @@ pub fn check(
     }
     if !dialect.answer.error_classes.is_empty() && dialect.answer.error_type.is_none() {
         return refuse("answer.error_classes", "needs `answer.error_type`, the pointer to the error type".to_owned());
+    }
+    if let Some(name) = dialect.answer.should_retry_header.as_deref().filter(|n| !header_name(n)) {
+        return refuse("answer.should_retry_header", format!("`{name}` is not an HTTP header name"));
     }
     if idempotency_keys && dialect.idempotency_header.is_none() {
         return refuse(

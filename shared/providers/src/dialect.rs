@@ -129,7 +129,11 @@ impl Dialect {
         let answer = &self.spec.answer;
         if !(200..=299).contains(&status) {
             let (own_body, error_type) = self.error_body(body);
-            let class_named = error_type.as_deref().and_then(|t| self.error_classes.get(t)).copied();
+            let class_named = error_type
+                .as_deref()
+                .and_then(|t| self.error_classes.get(t))
+                .copied()
+                .or_else(|| self.told_not_to_retry(status, headers).then_some(ErrorClass::Rejected));
             let retry_after = self.retry_after(headers, now);
             let outcome = CallOutcome::Answered { status, retry_after, problem_body: own_body, class_named };
             return Reading::of(CallAnswer::Outcome(outcome, error_type.map(|t| format!("error type `{t}`"))));
@@ -210,6 +214,15 @@ impl Dialect {
         }
     }
 
+    /// Whether the vendor's should-retry header says `false` on a 4xx other than
+    /// a 409 (which at a provider that dedupes is the key still running).
+    fn told_not_to_retry(&self, status: u16, headers: &ureq::http::HeaderMap) -> bool {
+        let Some(name) = self.spec.answer.should_retry_header.as_deref() else { return false };
+        (400..=499).contains(&status)
+            && status != 409
+            && headers.get(name).and_then(|v| v.to_str().ok()).is_some_and(|v| v.trim().eq_ignore_ascii_case("false"))
+    }
+
     /// How long a throttled answer asks to wait: the longest of `Retry-After` (in
     /// seconds or as an HTTP date) and the dialect's reset headers.
     fn retry_after(&self, headers: &ureq::http::HeaderMap, now: SystemTime) -> Option<Duration> {
@@ -217,7 +230,7 @@ impl Dialect {
         let throttling = &self.spec.throttling;
         let retry_after =
             text("retry-after").filter(|_| throttling.retry_after).and_then(|v| retry_after_value(v, now));
-        let resets = throttling.reset_headers.iter().filter_map(|name| text(name).and_then(reset_duration));
+        let resets = throttling.reset_headers.iter().filter_map(|name| text(name).and_then(|v| reset_duration(v, now)));
         retry_after.into_iter().chain(resets).max()
     }
 }
@@ -231,9 +244,13 @@ pub fn retry_after_value(value: &str, now: SystemTime) -> Option<Duration> {
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-/// A reset header's duration, as Go prints them and OpenAI sends them: `1s`,
-/// `6m0s`, `20ms`, `1h2m3.5s`; a bare number is seconds.
-pub fn reset_duration(value: &str) -> Option<Duration> {
+/// A reset header's wait: a duration as Go prints them and OpenAI sends them
+/// (`1s`, `6m0s`, `20ms`, `1h2m3.5s`), a bare number of seconds, or the RFC 3339
+/// instant Anthropic sends (an instant past is no wait).
+pub fn reset_duration(value: &str, now: SystemTime) -> Option<Duration> {
+    if let Ok(at) = time::OffsetDateTime::parse(value, &time::format_description::well_known::Rfc3339) {
+        return Some(SystemTime::from(at).duration_since(now).unwrap_or(Duration::ZERO));
+    }
     if let Ok(seconds) = value.parse::<f64>() {
         return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
     }
@@ -560,18 +577,117 @@ mod tests {
     }
 
     #[test]
+    fn an_anthropic_message_is_done_with_its_content_inline_and_overload_names_its_class() {
+        // https://docs.anthropic.com/en/api/messages and https://docs.anthropic.com/en/api/errors
+        let d = dialect(serde_json::json!({
+            "request": {"path": "/v1/messages", "headers": {"anthropic-version": "2023-06-01"},
+                        "body": "{\"model\": {{ input.model | tojson }}, \"max_tokens\": 1024, \"messages\": [{\"role\": \"user\", \"content\": {{ input.prompt | tojson }}}]}"},
+            "auth_header": "x-api-key",
+            "answer": {"request_id": "/id", "result": "/content", "error_type": "/error/type",
+                       "error_classes": {"overloaded_error": "throttled", "rate_limit_error": "throttled"}},
+            "throttling": {"reset_headers": ["anthropic-ratelimit-requests-reset"]}
+        }));
+        let context =
+            Dialect::context(&serde_json::json!({"task": {"model": "claude-test", "prompt": "hi"}}), "t", "k");
+        let request = d.request(&context, "k").expect("renders");
+        assert!(request.headers.contains(&("anthropic-version".to_owned(), "2023-06-01".to_owned())));
+        assert!(!request.headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("Idempotency-Key")));
+        let message = r#"{"id": "msg_013Zva2CMHLNnXjNJJKqJ2EF", "type": "message", "role": "assistant",
+            "model": "claude-sonnet-4-5", "content": [{"type": "text", "text": "Hi! My name is Claude."}],
+            "stop_reason": "end_turn", "stop_sequence": null, "usage": {"input_tokens": 2095, "output_tokens": 503}}"#;
+        let CallAnswer::Done { request_id, result } = read(&d, 200, &[], message) else { panic!("done") };
+        assert_eq!(request_id, "msg_013Zva2CMHLNnXjNJJKqJ2EF");
+        assert_eq!(result.inline.expect("inline")[0]["text"], "Hi! My name is Claude.");
+        let overloaded = r#"{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}"#;
+        let resets = [("anthropic-ratelimit-requests-reset", "2026-10-21T07:28:20Z"), ("retry-after", "5")];
+        let expected = CallOutcome::Answered {
+            status: 529,
+            retry_after: Some(Duration::from_secs(20)),
+            problem_body: true,
+            class_named: Some(ErrorClass::Throttled),
+        };
+        assert_eq!(outcome(&read(&d, 529, &resets, overloaded)), expected);
+        // Safe only where the catalogue vouches for 529: otherwise the work may have been done.
+        let table = fenceline_domain::calls::ErrorTable::default();
+        let class =
+            |t: &fenceline_domain::calls::ErrorTable| fenceline_domain::calls::classify(&expected, t).map(|c| c.class);
+        assert_eq!(class(&table), Some(ErrorClass::Ambiguous));
+        let vouched = fenceline_domain::calls::ErrorTable { safe_5xx: [529].into(), ..table };
+        assert_eq!(class(&vouched), Some(ErrorClass::Throttled));
+    }
+
+    #[test]
+    fn a_twilio_message_is_sent_as_a_form_and_its_errors_are_numbers() {
+        // https://www.twilio.com/docs/messaging/api/message-resource#create-a-message-resource
+        // and https://www.twilio.com/docs/usage/twilios-response#response-formats-exceptions
+        let d = dialect(serde_json::json!({
+            "request": {"path": "/2010-04-01/Accounts/{{ input.account_sid }}/Messages.json",
+                        "form": {"To": "{{ input.to }}", "From": "{{ input.from }}", "Body": "{{ input.body }}"}},
+            "answer": {"statuses": {"done": [200, 201]}, "request_id": "/sid", "result": "",
+                       "error_type": "/code", "error_classes": {"21211": "rejected", "20003": "not_authorised"}}
+        }));
+        let envelope = serde_json::json!({"task": {"account_sid": "AC123", "to": "+15558675310",
+                                                   "from": "+15017122661", "body": "Your refund is on its way & soon"}});
+        let request = d.request(&Dialect::context(&envelope, "t", "k"), "k").expect("renders");
+        assert_eq!(request.path, "/2010-04-01/Accounts/AC123/Messages.json");
+        let (body, mime) = request.body.expect("a form");
+        assert_eq!(mime, "application/x-www-form-urlencoded");
+        assert_eq!(
+            String::from_utf8(body).expect("text"),
+            "Body=Your+refund+is+on+its+way+%26+soon&From=%2B15017122661&To=%2B15558675310"
+        );
+        let created = r#"{"account_sid": "AC123", "body": "Your refund is on its way & soon",
+            "from": "+15017122661", "to": "+15558675310", "num_segments": "1", "price": null,
+            "sid": "SMaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "status": "queued", "error_code": null}"#;
+        let CallAnswer::Done { request_id, result } = read(&d, 201, &[], created) else { panic!("done") };
+        assert_eq!(request_id, "SMaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
+        assert_eq!(result.inline.expect("inline")["status"], "queued");
+        let invalid = r#"{"code": 21211, "message": "The 'To' number +1555 is not a valid phone number.",
+            "more_info": "https://www.twilio.com/docs/errors/21211", "status": 400}"#;
+        let CallOutcome::Answered { class_named, .. } = outcome(&read(&d, 400, &[], invalid)) else { panic!() };
+        assert_eq!(class_named, Some(ErrorClass::Rejected));
+    }
+
+    #[test]
+    fn stripe_should_retry_false_on_a_4xx_rejects_but_never_makes_a_409_or_a_5xx_safe() {
+        // https://docs.stripe.com/error-low-level#idempotency (`Stripe-Should-Retry`)
+        let d = dialect(serde_json::json!({
+            "request": {"path": "/v1/refunds", "form": {"charge": "{{ input.charge }}"}},
+            "idempotency_header": "Idempotency-Key",
+            "answer": {"request_id": "/id", "result": "", "error_type": "/error/type",
+                       "should_retry_header": "Stripe-Should-Retry"}
+        }));
+        let body = r#"{"error": {"type": "invalid_request_error", "message": "x"}}"#;
+        let class =
+            |status, value: &'static str| match outcome(&read(&d, status, &[("stripe-should-retry", value)], body)) {
+                CallOutcome::Answered { class_named, .. } => class_named,
+                other => panic!("{other:?}"),
+            };
+        assert_eq!(class(400, "false"), Some(ErrorClass::Rejected));
+        assert_eq!(class(429, "false"), Some(ErrorClass::Rejected));
+        assert_eq!(class(429, "true"), None);
+        assert_eq!(class(409, "false"), None, "at a provider that dedupes, a 409 is the key still running");
+        assert_eq!(class(500, "false"), None);
+    }
+
+    #[test]
     fn retry_after_and_reset_durations_are_read_in_every_form() {
         assert_eq!(retry_after_value("120", now()), Some(Duration::from_secs(120)));
         assert_eq!(retry_after_value("Wed, 21 Oct 2026 07:29:00 GMT", now()), Some(Duration::from_secs(60)));
         assert_eq!(retry_after_value("Wed, 21 Oct 2026 07:00:00 GMT", now()), Some(Duration::ZERO));
         assert_eq!(retry_after_value("soon", now()), None);
-        assert_eq!(reset_duration("1s"), Some(Duration::from_secs(1)));
-        assert_eq!(reset_duration("6m0s"), Some(Duration::from_secs(360)));
-        assert_eq!(reset_duration("20ms"), Some(Duration::from_millis(20)));
-        assert_eq!(reset_duration("1h2m3.5s"), Some(Duration::from_secs_f64(3723.5)));
-        assert_eq!(reset_duration("2"), Some(Duration::from_secs(2)));
-        for bad in ["", "s", "5 parsecs", "-1", "1x"] {
-            assert_eq!(reset_duration(bad), None, "{bad}");
+        let reset = |value| reset_duration(value, now());
+        assert_eq!(reset("1s"), Some(Duration::from_secs(1)));
+        assert_eq!(reset("6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(reset("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(reset("1h2m3.5s"), Some(Duration::from_secs_f64(3723.5)));
+        assert_eq!(reset("2"), Some(Duration::from_secs(2)));
+        // Anthropic's: https://docs.anthropic.com/en/api/rate-limits#response-headers
+        assert_eq!(reset("2026-10-21T07:28:30Z"), Some(Duration::from_secs(30)));
+        assert_eq!(reset("2026-10-21T09:28:30+02:00"), Some(Duration::from_secs(30)));
+        assert_eq!(reset("2026-10-21T07:00:00Z"), Some(Duration::ZERO));
+        for bad in ["", "s", "5 parsecs", "-1", "1x", "2026-10-21"] {
+            assert_eq!(reset(bad), None, "{bad}");
         }
     }
 }

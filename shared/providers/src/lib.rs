@@ -273,7 +273,7 @@ impl HttpProvider {
                 builder = builder.header(name.as_str(), value.as_str());
             }
             if let Some(auth) = &this.auth_header {
-                builder = builder.header("Authorization", auth.expose_secret());
+                builder = builder.header(dialect.spec.auth_header.as_str(), auth.expose_secret());
             }
             if let Some(traceparent) = &traceparent {
                 builder = builder.header(TRACEPARENT, traceparent.as_str());
@@ -461,8 +461,9 @@ impl HttpProvider {
     }
 
     fn with_auth<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        let header = self.dialect.as_ref().map_or("Authorization", |d| d.spec.auth_header.as_str());
         match &self.auth_header {
-            Some(auth) => request.header("Authorization", auth.expose_secret()),
+            Some(auth) => request.header(header, auth.expose_secret()),
             None => request,
         }
     }

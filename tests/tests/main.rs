@@ -28,6 +28,7 @@ mod secrets;
 mod shutdown;
 mod tls;
 mod upgrade;
+mod vendor_apis;
 
 /// A suite file that is not a module here would never be compiled or run.
 #[test]

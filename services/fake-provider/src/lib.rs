@@ -4,6 +4,7 @@
 //! serves an OpenAI-compatible chat completions endpoint (`chat.rs`) for dialects.
 
 mod chat;
+pub mod vendors;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -18,6 +19,7 @@ use fenceline_config::HttpConfig;
 use fenceline_runtime::{Error, Readiness, health_routes, serve};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use vendors::Vendor;
 
 pub const NAME: &str = "fake-provider";
 
@@ -289,6 +291,8 @@ struct State {
     calls: Vec<Call>,
     charges: Vec<Charge>,
     operations: HashMap<String, Operation>,
+    /// A vendor API's first answer to each request id, which a replay repeats.
+    answers: HashMap<String, serde_json::Value>,
     by_key: HashMap<String, String>,
     rules: Vec<Rule>,
     /// Operations being answered now (registered, answer not yet sent).
@@ -813,6 +817,14 @@ impl App {
                 .route("/v1/operations", web::get().to(lookup))
                 .route("/v1/operations/{request_id}", web::get().to(poll))
                 .route("/v1/chat/completions", web::post().to(chat::chat_completions))
+                .route("/v1/messages", web::post().to(|r, s, b| vendors::create(Vendor::Anthropic, r, s, b)))
+                .route("/v1/predictions", web::post().to(|r, s, b| vendors::create(Vendor::Replicate, r, s, b)))
+                .route("/v1/predictions/{request_id}", web::get().to(vendors::poll_prediction))
+                .route("/v1/refunds", web::post().to(|r, s, b| vendors::create(Vendor::Stripe, r, s, b)))
+                .route(
+                    "/2010-04-01/Accounts/{account}/Messages.json",
+                    web::post().to(|r, s, b| vendors::create(Vendor::Twilio, r, s, b)),
+                )
                 .route("/artifacts/{request_id}", web::get().to(artifact))
                 .route("/admin/calls", web::get().to(calls))
                 .route("/admin/ledger", web::get().to(ledger))

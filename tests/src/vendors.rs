@@ -217,4 +217,10 @@ mod tests {
         assert!(spec["components"]["schemas"]["B"].get("nullable").is_none());
         assert_eq!(server_path(&serde_json::json!({"servers": [{"url": "http://h:1"}]})), "");
     }
+
+    #[test]
+    #[should_panic(expected = "installed into $FENCELINE_CACHE_DIR by `deploy/local/stack test`")]
+    fn a_missing_tool_fails_and_says_how_to_install_it() {
+        tool("FENCELINE_TEST_A_TOOL_NO_ONE_INSTALLS", "a tool");
+    }
 }

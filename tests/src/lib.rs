@@ -17,6 +17,7 @@ use sqlx::{Connection, PgConnection};
 
 pub mod process;
 pub mod system;
+pub mod vendors;
 
 /// Partitions of every test topic.
 pub const PARTITIONS: i32 = 3;

@@ -1,4 +1,4 @@
-//! Child processes under test: started with an environment, their JSON log lines
+//! Child processes under test: started with an environment, their log lines
 //! collected, stopped with SIGKILL when a test says so or when dropped.
 
 use std::io::{BufRead, BufReader};
@@ -23,13 +23,28 @@ impl Proc {
         Self::capture(command.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}")))
     }
 
-    /// Collects the stderr lines of a child started with a piped stderr.
+    /// As [`Proc::spawn`], collecting what it writes to stdout too (a tool that logs
+    /// there, such as Prism or stripe-mock), in the order each stream's lines arrive.
+    pub fn spawn_with_stdout(program: &str, args: &[&str], envs: &[(&str, String)]) -> Self {
+        let mut command = Command::new(program);
+        command.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in envs {
+            command.env(k, v);
+        }
+        Self::capture(command.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}")))
+    }
+
+    /// Collects the lines of a child's piped stderr, and of its stdout when piped.
     fn capture(mut child: Child) -> Self {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        if let Some(stderr) = child.stderr.take() {
+        let streams: [Option<Box<dyn std::io::Read + Send>>; 2] = [
+            child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ];
+        for stream in streams.into_iter().flatten() {
             let sink = lines.clone();
             std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
                 }
             });

@@ -8,6 +8,7 @@ mod bus;
 mod chaos;
 mod cli;
 mod commits;
+mod conformance;
 mod dashboard;
 mod databases;
 mod dialects;

@@ -1,5 +1,5 @@
 //! The shipped provider dialects against what the vendors publish, not only against
-//! Fenceline's own fake: the OpenAI chat completions entry of docs/catalog.md
+//! Fenceline's own fake: the OpenAI chat completions entry of deploy/dialects
 //! through Prism serving OpenAI's OpenAPI description (tests/vendor/openai-openapi)
 //! as a validating proxy in front of the fake provider, and the Stripe refunds
 //! dialect against Stripe's stripe-mock. A request the vendor's description
@@ -14,14 +14,15 @@ use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(90);
 
-/// The OpenAI-compatible chat completions provider exactly as docs/catalog.md
-/// ships it for users to copy.
+/// A catalogue entry as deploy/dialects ships it for users to copy.
+fn shipped(file: &str) -> Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/dialects").join(file);
+    serde_json::from_slice(&std::fs::read(&path).expect("a shipped entry")).expect("JSON")
+}
+
+/// The OpenAI-compatible chat completions provider exactly as shipped.
 fn shipped_chat_entry() -> Value {
-    let page = include_str!("../../docs/catalog.md");
-    let (_, after) = page.split_once("An OpenAI-compatible chat completions provider, to copy:").expect("the entry");
-    let block = after.split("```json").nth(1).and_then(|b| b.split("```").next()).expect("its JSON block");
-    let entries: Value = serde_json::from_str(&format!("{{{block}}}")).expect("the entry is JSON");
-    entries["llm"].clone()
+    shipped("openai-chat.json")
 }
 
 /// The output a step checkpointed.
@@ -67,7 +68,8 @@ fn the_shipped_chat_entry_calls_the_url_openai_describes() {
     let path = entry["dialect"]["request"]["path"].as_str().expect("a path");
     let operation = path.strip_prefix(&server_path(&description)).expect("the path is under the server's");
     assert_eq!(format!("{}{path}", entry["base_url"].as_str().expect("base_url")), format!("{server}{operation}"));
-    let method = entry["dialect"]["request"]["method"].as_str().expect("a method").to_lowercase();
+    // `POST` unless the entry says otherwise, as the catalogue reads it.
+    let method = entry["dialect"]["request"]["method"].as_str().unwrap_or("POST").to_lowercase();
     assert_eq!(description["paths"][operation][&method]["operationId"], "createChatCompletion");
 }
 
@@ -109,25 +111,19 @@ async fn a_request_openais_description_refuses_is_refused_by_prism_and_never_suc
     assert!(system.provider("llm").calls().await.is_empty(), "nothing was sent, nothing charged");
 }
 
-/// Stripe's refunds, as the dialect unit tests describe them
-/// (shared/providers/src/dialect.rs; https://docs.stripe.com/api/refunds/create,
-/// https://docs.stripe.com/api/errors, https://docs.stripe.com/api/idempotent_requests):
-/// a form, the operation key in `Idempotency-Key`, the refund object the result.
-fn stripe_refunds(form: Value) -> Value {
-    json!({
-        "request": {"method": "POST", "path": "/v1/refunds", "form": form},
-        "idempotency_header": "Idempotency-Key", "idempotency_ttl_hours": 24,
-        "answer": {"request_id": "/id", "state": "/status", "result": "",
-                   "running_states": ["pending", "requires_action"], "succeeded_states": ["succeeded"],
-                   "failed_states": ["failed", "canceled"], "error_type": "/error/type",
-                   "error_classes": {"card_error": "rejected", "invalid_request_error": "rejected",
-                                     "idempotency_error": "rejected", "api_error": "provider_failed"}}
-    })
+/// Stripe's refunds as deploy/dialects ships them, with `form` instead of the
+/// shipped form when given.
+fn stripe_refunds(form: Option<Value>) -> Value {
+    let mut dialect = shipped("stripe-refunds.json")["dialect"].clone();
+    if let Some(form) = form {
+        dialect["request"]["form"] = form;
+    }
+    dialect
 }
 
 /// A system whose provider `payments` is stripe-mock reached through the refunds
-/// dialect with `form`, with a test-mode secret key, and a kind `refund.issue`.
-async fn refunds_at_stripe_mock(form: Value) -> (System, StripeMock) {
+/// dialect (with `form` when given), with a test-mode secret key, and a kind `refund.issue`.
+async fn refunds_at_stripe_mock(form: Option<Value>) -> (System, StripeMock) {
     let caps = Caps { idempotency_keys: true, ..Caps::default() };
     let system = System::new(&[("payments", caps)]).await;
     let stripe = StripeMock::start().await;
@@ -146,9 +142,8 @@ async fn refunds_at_stripe_mock(form: Value) -> (System, StripeMock) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stripe_refund_through_the_dialect_is_stripe_mocks_refund_object() {
-    let form = json!({"payment_intent": "{{ input.payment_intent }}", "reason": "{{ input.reason }}"});
-    let (system, stripe) = refunds_at_stripe_mock(form).await;
-    let input = json!({"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa", "reason": "requested_by_customer"});
+    let (system, stripe) = refunds_at_stripe_mock(None).await;
+    let input = json!({"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa", "amount": 1500});
     let task = system.submit("acme", "refund.issue", input).await;
 
     let state = system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
@@ -164,7 +159,7 @@ async fn a_stripe_refund_through_the_dialect_is_stripe_mocks_refund_object() {
     assert_eq!(refund["object"], "refund", "{refund}");
     assert!(refund["id"].as_str().is_some_and(|id| id.starts_with("re_")), "{refund}");
     assert_eq!(refund["payment_intent"], "pi_3MtwBwLkdIwHu7ix28a3tqPa", "stripe-mock reflects what was sent");
-    assert_eq!(refund["reason"], "requested_by_customer");
+    assert_eq!(refund["amount"], 1500, "{refund}");
     assert_eq!(stripe.requests("POST /v1/refunds"), 1, "one refund request:\n{}", stripe.log_tail());
     assert_eq!(stripe.refusals(), Vec::<String>::new());
 }
@@ -173,7 +168,7 @@ async fn a_stripe_refund_through_the_dialect_is_stripe_mocks_refund_object() {
 async fn a_refund_request_stripe_refuses_ends_the_task_without_success_and_is_not_sent_again() {
     // Stripe knows no refund parameter `flavour`: stripe-mock answers 400 invalid_request_error.
     let form = json!({"payment_intent": "{{ input.payment_intent }}", "flavour": "vanilla"});
-    let (system, stripe) = refunds_at_stripe_mock(form).await;
+    let (system, stripe) = refunds_at_stripe_mock(Some(form)).await;
     let task = system.submit("acme", "refund.issue", json!({"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa"})).await;
 
     let state = system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;

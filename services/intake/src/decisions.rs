@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::approvals::{self, Heard};
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::{ApprovalDecision, TaskState};
+use fenceline_domain::vocabulary::{ApprovalDecision, ResolutionAction, TaskState};
 use fenceline_events::{Event, SignalReceived, StepCheckpointed, Timestamp, topics};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -247,6 +247,16 @@ pub async fn recorded(conn: &mut PgConnection, task_id: TaskId) -> Result<Vec<De
     .await
 }
 
+/// The task's generation as intake knows it: the `retry_as_new` resolutions it recorded.
+pub async fn generation(conn: &mut PgConnection, task_id: TaskId) -> Result<i32, sqlx::Error> {
+    let retries: i64 = sqlx::query_scalar("SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = $2")
+        .bind(task_id.as_uuid())
+        .bind(ResolutionAction::RetryAsNew.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(i32::try_from(retries).unwrap_or(i32::MAX))
+}
+
 /// The caller's task as a decision finds it, its row locked.
 #[derive(Debug, sqlx::FromRow)]
 struct Locked {
@@ -254,19 +264,17 @@ struct Locked {
     state: String,
     /// The step the projected status names.
     step: Option<String>,
-    /// The `retry_as_new` resolutions recorded: the task's generation.
-    generation: i64,
 }
 
 async fn lock_task(tx: &mut PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<Locked, ApiError> {
     let found: Option<Locked> = sqlx::query_as(
-        "SELECT t.kind, coalesce(v.state, 'queued') AS state, v.step, \
-         (SELECT count(*) FROM resolutions r WHERE r.task_id = t.task_id AND r.action = 'retry_as_new') AS generation \
+        "SELECT t.kind, coalesce(v.state, $3) AS state, v.step \
          FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
          WHERE t.task_id = $1 AND t.tenant = $2 FOR UPDATE OF t",
     )
     .bind(task_id.as_uuid())
     .bind(tenant.as_str())
+    .bind(TaskState::Queued.as_str())
     .fetch_optional(&mut *tx)
     .await?;
     found.ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
@@ -362,7 +370,7 @@ pub async fn decide(
             ApiError::InvalidRequest("signal: name the signal the wait takes (intake has no catalogue)".into())
         })?,
     };
-    let current = i32::try_from(task.generation).unwrap_or(i32::MAX);
+    let current = generation(&mut tx, task_id).await?;
     let generation = request.generation.unwrap_or(current);
 
     let recorded: Option<Recorded> = sqlx::query_as(

@@ -543,12 +543,7 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
     view.input = input;
     let outputs = crate::decisions::outputs(&mut conn, task_id).await?;
     if let (Some(step), Some(signal)) = (view.step.clone(), view.awaiting_signal.clone()) {
-        let generation: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = 'retry_as_new'")
-                .bind(task_id.as_uuid())
-                .fetch_one(&mut *conn)
-                .await?;
-        let generation = i32::try_from(generation).unwrap_or(i32::MAX);
+        let generation = crate::decisions::generation(&mut conn, task_id).await?;
         view.approval = Some(crate::decisions::card(kinds, &view.kind, &step, &signal, generation, &outputs));
     }
     view.steps = Some(outputs);

@@ -172,11 +172,10 @@ async fn a_rejection_ends_the_task_with_its_reason_and_nothing_is_paid() {
     assert!(listed["tasks"][0]["reason"].as_str().is_some_and(|r| r.starts_with("rejected by a person")), "{listed}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_approval_sent_before_its_wait_applies_to_that_wait_only() {
-    // Two approvals with the same signal: a check of the ticket before the draft,
-    // and the refund's approval after it.
-    let kinds = json!({
+/// Two approvals with the same signal: a check of the ticket before the draft, and
+/// the refund's approval after it.
+fn two_approvals() -> Value {
+    json!({
         "ticket.triage": {"steps": [
             {"name": "classify", "provider": "llm"},
             {"name": "check", "approval_signal": "refund_approved"},
@@ -184,7 +183,37 @@ async fn an_approval_sent_before_its_wait_applies_to_that_wait_only() {
             {"name": "approve", "approval_signal": "refund_approved"},
             {"name": "refund", "provider": "payments"}
         ], "max_attempts": 4, "attempt_budget_ms": 60_000}
-    });
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_the_task_passed_takes_no_decision_and_the_next_one_can_be_rejected() {
+    let (system, token) = deciding_system(Some(two_approvals())).await;
+    let task = submit(&system, &token, json!({"ticket": "T-5"})).await;
+    read_until(&system, &token, task, "awaiting_approval", |b| b["step"] == "check").await;
+    // A bare signal approves the wait the task is at.
+    let url = format!("{}/v1/tasks/{task}/signals/refund_approved", system.url_of("intake"));
+    let (status, body) = http_as("POST", url, &token, Some(json!({}))).await.expect("signal");
+    assert_eq!(status, 202, "{body}");
+    let second = read_until(&system, &token, task, "awaiting_approval", |b| b["step"] == "approve").await;
+    assert_eq!(second["approval"]["then"], json!([{"step": "refund", "provider": "payments", "operation": "refund"}]));
+
+    let (status, body) = decide(&system, &token, task, "approve", json!({"decided_by": "Ana", "step": "check"})).await;
+    assert_eq!((status, body["type"].as_str()), (409, Some("/problems/approval-changed")), "{body}");
+    assert!(body["detail"].as_str().is_some_and(|d| d.contains("is over")), "{body}");
+
+    let rejection = json!({"decided_by": "Ana", "digest": second["approval"]["digest"]});
+    let (status, body) = decide(&system, &token, task, "reject", rejection).await;
+    assert_eq!(status, 202, "{body}");
+    read_until(&system, &token, task, "failed", |_| true).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(system.provider("payments").calls().await.len(), 0, "no refund after the rejection");
+    assert_eq!(system.provider("llm").calls().await.len(), 2, "classify and draft ran once each");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_sent_before_its_wait_applies_to_that_wait_only() {
+    let kinds = two_approvals();
     let (system, token) = deciding_system(Some(kinds)).await;
     let task = submit(&system, &token, json!({"ticket": "T-3"})).await;
     // At once, before any wait: approve the refund's wait (generation 0) ahead.
@@ -209,6 +238,9 @@ async fn an_approval_sent_before_its_wait_applies_to_that_wait_only() {
     assert_eq!(status, 202, "{body}");
     read_until(&system, &token, task, "succeeded", |_| true).await;
     assert_eq!(system.provider("payments").calls().await.len(), 1, "the refund ran once");
+    // Nothing is left to decide: a wait the task has passed is refused, not kept.
+    let (status, body) = decide(&system, &token, task, "reject", json!({"decided_by": "Cy", "step": "check"})).await;
+    assert_eq!((status, body["type"].as_str()), (409, Some("/problems/already-decided")), "{body}");
     let decisions: Vec<(String, String)> = read(&system, &token, task).await["decisions"]
         .as_array()
         .expect("decisions")

@@ -406,6 +406,15 @@ pub async fn decide(
             "task {task_id} has no generation {generation}; it is at generation {current}"
         )));
     }
+    // Within a generation a task only moves on: a wait before the step it is at is over.
+    let at = task.step.as_deref().and_then(|s| kinds.position(&task.kind, s).map(|p| (s, p)));
+    if let (Some((now, at)), Some(wait)) = (at, kinds.position(&task.kind, &step))
+        && at > wait
+    {
+        return Err(ApiError::ApprovalChanged(format!(
+            "the wait of step `{step}` of task {task_id} is over: the task is at step `{now}` now"
+        )));
+    }
     let outputs = outputs(&mut tx, task_id).await?;
     let card = card(kinds, &task.kind, &step, &signal, generation, &outputs);
     if let Some(shown) = request.digest.as_deref().filter(|shown| *shown != card.digest) {

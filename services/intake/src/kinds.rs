@@ -95,6 +95,11 @@ impl KindCatalog {
         steps.iter().map(|a| (a.step.as_str(), a.signal.as_str())).collect()
     }
 
+    /// Where `step` is among the steps of `kind`, if the catalogue declares it.
+    pub fn position(&self, kind: &str, step: &str) -> Option<usize> {
+        self.steps.get(kind)?.iter().position(|s| s.name == step)
+    }
+
     /// The call steps before the approval step `step` of `kind`: the outputs an
     /// approval there rests on.
     pub fn rests_on(&self, kind: &str, step: &str) -> Vec<String> {

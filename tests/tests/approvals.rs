@@ -283,3 +283,44 @@ async fn a_decision_on_a_card_that_changed_is_refused_naming_what_changed() {
     assert!(still["decisions"].as_array().is_some_and(Vec::is_empty));
     assert_eq!(system.provider("payments").calls().await.len(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dialects_inline_result_is_shown_as_its_value_and_the_approval_rests_on_it() {
+    let mut system = System::new(&[("llm", Caps::default()), ("payments", Caps::default())]).await;
+    system.set_provider_field("llm", "dialect", crate::dialects::chat_dialect("{{ input.prompt | tojson }}"));
+    system.set_provider_field("llm", "auth_header_env", json!("FENCELINE_TEST_CHAT_AUTHORIZATION"));
+    system.env.push(("FENCELINE_TEST_CHAT_AUTHORIZATION", "Bearer sk-test-approvals".into()));
+    system.set_kinds(json!({
+        "ticket.triage": {"steps": [
+            {"name": "draft", "provider": "llm"},
+            {"name": "approve", "approval_signal": "refund_approved"},
+            {"name": "refund", "provider": "payments"}
+        ], "max_attempts": 4, "attempt_budget_ms": 60_000}
+    }));
+    system.spawn("intake", "intake", &[]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let token = system.token("acme").await;
+    let task = submit(&system, &token, json!({"model": "gpt-test", "prompt": "refund 12.50 EUR for T-9"})).await;
+    let shown = read_until(&system, &token, task, "awaiting_approval", |b| {
+        b["approval"]["rests_on"].as_array().is_some_and(|r| r.len() == 1)
+    })
+    .await;
+
+    // The draft is the completion itself, not a reference to it.
+    let draft = &shown["approval"]["rests_on"][0];
+    assert_eq!(draft["step"], "draft");
+    assert_eq!(
+        draft["output"],
+        json!({"role": "assistant", "content": "You said: refund 12.50 EUR for T-9", "refusal": null})
+    );
+    assert!(draft.get("artifact_uri").is_none(), "an inline result links to no file: {draft}");
+    assert_eq!(shown["steps"][0]["output"], draft["output"]);
+
+    let approval = json!({"decided_by": "Ana", "digest": shown["approval"]["digest"]});
+    let (status, body) = decide(&system, &token, task, "approve", approval).await;
+    assert_eq!(status, 202, "{body}");
+    let done = read_until(&system, &token, task, "succeeded", |_| true).await;
+    assert_eq!(system.provider("payments").calls().await.len(), 1, "the refund ran once");
+    assert_eq!(done["decisions"][0]["rests_on"]["draft"]["content"], "You said: refund 12.50 EUR for T-9");
+}

@@ -175,7 +175,19 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     let approved = as_tenant(
         &intake,
         &token_file,
-        &["approve", &ticket, "--signal", "refund_approved", "--watch", "--interval-ms", "200", "--timeout-s", "60"],
+        &[
+            "approve",
+            &ticket,
+            "--signal",
+            "refund_approved",
+            "--as",
+            "Ana",
+            "--watch",
+            "--interval-ms",
+            "200",
+            "--timeout-s",
+            "60",
+        ],
     )
     .await;
     assert!(approved.code == 0 && approved.stdout.contains("sent"), "{approved:?}");
@@ -278,23 +290,26 @@ async fn approve_without_a_signal_sends_the_one_the_task_awaits_and_the_hint_nam
     let later = submit(&["--not-before", "2099-01-01T00:00:00Z"]).await;
 
     // A task that awaits nothing yet: approve cannot guess, and says how to name one.
-    let guessed = as_tenant(&intake, &token_file, &["approve", &later]).await;
+    let guessed = as_tenant(&intake, &token_file, &["approve", &later, "--as", "Ana"]).await;
     assert!(guessed.code == 2 && guessed.stderr.contains("awaits no signal now"), "{guessed:?}");
-    assert!(guessed.stderr.contains(&format!("fenceline approve {later} --signal")), "{guessed:?}");
+    assert!(guessed.stderr.contains(&format!("fenceline approve {later} --signal NAME --as NAME")), "{guessed:?}");
 
     // The hint is the command to run, with the signal the task awaits.
     let waiting =
         as_tenant(&intake, &token_file, &["watch", &ticket, "--interval-ms", "200", "--timeout-s", "60"]).await;
     assert!(waiting.code == 7 && waiting.stdout.contains("awaiting_approval"), "{waiting:?}");
-    let hint = format!("fenceline approve {ticket} --signal refund_approved");
+    let hint = format!("fenceline approve|reject {ticket} --signal refund_approved --as NAME");
     assert!(waiting.stderr.contains(&hint), "{waiting:?}");
     let shown = as_tenant(&intake, &token_file, &["get", &ticket]).await;
     assert!(shown.stdout.contains("awaiting signal") && shown.stdout.contains("refund_approved"), "{shown:?}");
 
-    let approved =
-        as_tenant(&intake, &token_file, &["approve", &ticket, "--watch", "--interval-ms", "200", "--timeout-s", "60"])
-            .await;
-    assert!(approved.code == 0 && approved.stdout.contains("signal:refund_approved"), "{approved:?}");
+    let approved = as_tenant(
+        &intake,
+        &token_file,
+        &["approve", &ticket, "--as", "Ana", "--watch", "--interval-ms", "200", "--timeout-s", "60"],
+    )
+    .await;
+    assert!(approved.code == 0 && approved.stdout.contains("approve:approve"), "{approved:?}");
     assert!(approved.stdout.lines().last().is_some_and(|l| l.contains("succeeded")), "{approved:?}");
     assert_eq!(system.provider("refunds").charges().await, 1, "the approved refund was paid once");
 }
@@ -315,10 +330,11 @@ async fn every_action_intake_refuses_exits_non_zero_with_its_reason() {
     );
 
     // A signal no step of the task's kind waits for: refused, naming those it takes.
-    let unknown = as_tenant(&intake, &token_file, &["approve", &later, "--signal", "approve"]).await;
+    let unknown = as_tenant(&intake, &token_file, &["approve", &later, "--signal", "approve", "--as", "Ana"]).await;
     assert!(unknown.code == 2 && unknown.stderr.contains("/problems/unknown-signal"), "{unknown:?}");
     assert!(unknown.stderr.contains("it takes `refund_approved`"), "{unknown:?}");
-    let none = as_tenant(&intake, &token_file, &["approve", &image, "--signal", "refund_approved"]).await;
+    let none =
+        as_tenant(&intake, &token_file, &["approve", &image, "--signal", "refund_approved", "--as", "Ana"]).await;
     assert!(none.code == 2 && none.stderr.contains("wait for no signal"), "{none:?}");
 
     // Finished tasks: a new cancel, signal or resolution is refused, naming the state.
@@ -328,15 +344,16 @@ async fn every_action_intake_refuses_exits_non_zero_with_its_reason() {
     let cancel = as_tenant(&intake, &token_file, &["cancel", &image]).await;
     assert!(cancel.code == 4 && cancel.stderr.contains("/problems/task-finished"), "{cancel:?}");
     assert!(cancel.stderr.contains(&format!("task {image} is already succeeded; nothing to cancel")), "{cancel:?}");
-    let approve = as_tenant(&intake, &token_file, &["approve", &image]).await;
+    let approve = as_tenant(&intake, &token_file, &["approve", &image, "--as", "Ana"]).await;
     assert!(approve.code == 4 && approve.stderr.contains("is already succeeded; nothing to approve"), "{approve:?}");
 
     assert_eq!(as_tenant(&intake, &token_file, &["cancel", &later]).await.code, 0);
     let cancelled =
         as_tenant(&intake, &token_file, &["watch", &later, "--interval-ms", "200", "--timeout-s", "60"]).await;
     assert!(cancelled.code == 7 && cancelled.stdout.contains("cancelled"), "{cancelled:?}");
-    let signal = as_tenant(&intake, &token_file, &["approve", &later, "--signal", "refund_approved"]).await;
-    assert!(signal.code == 4 && signal.stderr.contains("is already cancelled; nothing to signal"), "{signal:?}");
+    let signal =
+        as_tenant(&intake, &token_file, &["approve", &later, "--signal", "refund_approved", "--as", "Ana"]).await;
+    assert!(signal.code == 4 && signal.stderr.contains("is already cancelled; nothing to approve"), "{signal:?}");
     let resolve = as_tenant(&intake, &token_file, &["resolve", &later, "accept-failed", "--case", "c"]).await;
     assert!(resolve.code == 4 && resolve.stderr.contains("is already cancelled; nothing to resolve"), "{resolve:?}");
 }

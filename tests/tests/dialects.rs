@@ -14,7 +14,7 @@ const LONG: Duration = Duration::from_secs(90);
 
 /// The chat completions dialect of docs/providers.md; `content` is the template
 /// of the one user message.
-fn chat_dialect(content: &str) -> Value {
+pub(crate) fn chat_dialect(content: &str) -> Value {
     json!({
         "request": {
             "method": "POST",

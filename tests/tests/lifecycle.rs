@@ -26,6 +26,9 @@ async fn signal(system: &System, task: TaskId, name: &str, signal_id: &str) {
         signal_id: signal_id.into(),
         payload_json: "{}".into(),
         received_at: Timestamp::now(),
+        step: None,
+        generation: None,
+        decision: None,
     });
     system.publish(topics::TASKS, &event).await;
 }

@@ -4,6 +4,7 @@
 
 mod adaptive;
 mod admission;
+mod approvals;
 mod bus;
 mod chaos;
 mod cli;

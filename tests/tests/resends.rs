@@ -161,6 +161,9 @@ async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charge
         signal_id: "approval-1".into(),
         payload_json: "{}".into(),
         received_at: Timestamp::now(),
+        step: None,
+        generation: None,
+        decision: None,
     });
     system.publish(topics::TASKS, &approval).await;
     for task in images.iter().chain([&ticket]) {

@@ -141,10 +141,14 @@ async fn rejections_from_both_intakes(system: &System) -> (usize, usize) {
     }
 }
 
-/// The current services start first and migrate; the previous release's join their
-/// groups against that schema while tasks arrive through both intakes; then the
-/// previous release's stop, as the last old pods of a roll do. Every task succeeds,
-/// nothing is dead-lettered, and no task is charged twice.
+/// A roll in the order docs/deploy.md gives for the event types this release changes
+/// ("Events: consumers first"): `StepCheckpointed` gained the step's output, so its
+/// consumers (scheduler, reconciler, intake) roll before its producer, the executor.
+/// The current consumers start first and migrate; the previous release's four join
+/// their groups against that schema while tasks arrive through both intakes; the
+/// previous consumers stop as the end of their roll; the current executor joins the
+/// previous one and both run tasks; then the previous executor stops. Every task
+/// succeeds, nothing is dead-lettered or held, and no task is charged twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_upgrade() {
     let previous = previous_release_binaries();
@@ -158,7 +162,9 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
         }
         extra
     };
-    for service in SERVICES {
+    // The services that read the types this release changes, and so roll first.
+    const CONSUMERS_FIRST: [&str; 3] = ["intake", "scheduler", "reconciler"];
+    for service in CONSUMERS_FIRST {
         system.spawn(service, service, &extra(service, "current")).await;
     }
     for service in SERVICES {
@@ -168,27 +174,34 @@ async fn the_previous_release_and_the_current_one_share_the_work_of_a_rolling_up
     let token = system.token("acme").await;
     let intakes = [system.url_of("intake"), system.url_of("previous-intake")];
 
-    // Tasks flow through both intakes until both builds' executors have run some of
-    // them. A joining consumer's first cooperative assignment is empty and its share of
-    // the dispatch partitions comes a rebalance round later, so a fixed burst can be
-    // done before the previous executor holds a partition: the flow goes on until it
-    // has worked, or the deadline says it never did.
+    // The consumers' roll: tasks through both intakes, run by the previous executor.
     let mut tasks = Vec::new();
+    for n in 0..MIN_TASKS_PER_PHASE {
+        tasks.push(submit(&intakes[(n % 2) as usize], &token, n).await);
+    }
+    let (current_rejected, previous_rejected) = rejections_from_both_intakes(&system).await;
+    for service in CONSUMERS_FIRST {
+        system.service(&format!("previous-{service}")).signal("TERM");
+    }
+
+    // The executor's roll: both builds' executors share the work. A joining consumer's
+    // first cooperative assignment is empty and its share of the dispatch partitions
+    // comes a rebalance round later, so the flow goes on until both have run some
+    // tasks, or the deadline says they never did.
+    system.spawn("executor", "executor", &extra("executor", "current")).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(45);
+    let started = tasks.len() as u64;
     let workers = loop {
         let n = tasks.len() as u64;
-        tasks.push(submit(&intakes[(n % 2) as usize], &token, n).await);
+        tasks.push(submit(&intakes[0], &token, n).await);
         let workers = executions_per_build(&system).await;
-        let both = workers.len() == 2;
-        if (both && n + 1 >= MIN_TASKS_PER_PHASE) || tokio::time::Instant::now() >= deadline {
+        let both = workers.get("current").is_some_and(|c| *c > 0) && workers.get("previous").is_some_and(|p| *p > 0);
+        if (both && n + 1 >= started + MIN_TASKS_PER_PHASE) || tokio::time::Instant::now() >= deadline {
             break workers;
         }
         tokio::time::sleep(Duration::from_millis(if both { 20 } else { 100 })).await;
     };
-    let (current_rejected, previous_rejected) = rejections_from_both_intakes(&system).await;
-    for service in SERVICES {
-        system.service(&format!("previous-{service}")).signal("TERM");
-    }
+    system.service("previous-executor").signal("TERM");
     let first_phase = tasks.len() as u64;
     for n in first_phase..first_phase + MIN_TASKS_PER_PHASE {
         tasks.push(submit(&intakes[0], &token, n).await);

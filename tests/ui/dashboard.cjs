@@ -23,6 +23,7 @@ const TENANT_A = need('FENCELINE_UI_TENANT_A');
 const TENANT_B = need('FENCELINE_UI_TENANT_B');
 const SCREENSHOT = need('FENCELINE_UI_SCREENSHOT');
 const DECISION_SCREENSHOT = SCREENSHOT.replace(/\.png$/, '') + '-decision.png';
+const APPROVAL_SCREENSHOT = SCREENSHOT.replace(/\.png$/, '') + '-approval.png';
 const CHROMIUM = process.env.FENCELINE_UI_CHROMIUM || '/usr/bin/chromium';
 const LONG = 40_000;
 
@@ -171,10 +172,23 @@ async function main() {
 
     // A refund that waits for an approval.
     const refund = await submit(TOKEN_A, 'ui-refund', {
-      kind: 'ticket.triage', input: { ticket: 'T-81', amount_cents: 2500 }, labels: { team: 'support' },
+      kind: 'ticket.triage', input: { ticket: 'T-81', amount_cents: 2500, note: markup }, labels: { team: 'support' },
     });
     const approval = `#approval-list article[data-task-id="${refund}"]`;
     await page.waitForSelector(approval + ' button.approve:not([disabled])', { timeout: LONG });
+    // The card says what the approval lets run and what it rests on, and the input.
+    const shown = await page.textContent(approval);
+    assert.ok(shown.includes('refund') && shown.includes('It rests on') && shown.includes('T-81'), shown);
+    await page.click(approval + ' details summary');
+    assert.ok((await page.textContent(approval)).includes('<img src=x onerror='), 'the input\'s markup is shown as text');
+    assert.equal(await page.evaluate(() => window.pwned), undefined, 'no injected script ran');
+    assert.equal(await page.$('img[src="x"]'), null, 'no injected element');
+    await page.locator(approval).screenshot({ path: APPROVAL_SCREENSHOT });
+    say('screenshot of the approval: ' + APPROVAL_SCREENSHOT);
+    await page.click(approval + ' button.approve');
+    await page.waitForFunction((sel) => document.querySelector(sel + ' .outcome')?.textContent.includes('Name the person'), approval);
+    await page.fill(approval + ' input.decided-by', 'Ana Lima');
+    await page.fill(approval + ' textarea.note', 'checked the ticket');
     await page.click(approval + ' button.approve');
     await page.waitForFunction((sel) => document.querySelector(sel + ' .outcome')?.textContent.includes('Approved'), approval);
     await waitState(page, refund, 'succeeded');
@@ -197,10 +211,15 @@ async function main() {
     await page.click(row(refund));
     await page.waitForSelector(`#detail[data-task-id="${refund}"][data-state="succeeded"]`);
     for (const event of ['TaskAccepted', 'AttemptClaimed', 'CallIntentRecorded', 'StepCheckpointed', 'AwaitingSignal',
-      'SignalReceived', 'AttemptSucceeded', 'TaskStatus']) {
+      'ApprovalDecided', 'AttemptSucceeded', 'TaskStatus']) {
       await page.waitForSelector(`#timeline li[data-event="${event}"]`, { timeout: LONG });
     }
     assert.match(await page.textContent('#detail-facts dd[data-fact="trace id"]'), /^[0-9a-f]{32}$/);
+    // After it moved on: its input, its steps' outputs and the decision on record.
+    const decided = await page.textContent('#detail-decided');
+    assert.ok(decided.includes('T-81') && decided.includes('draft') && decided.includes('refund'), decided);
+    const record = await page.textContent('#detail-decided .decisions li[data-decision="approve"]');
+    assert.ok(record.includes('Ana Lima') && record.includes('checked the ticket'), record);
     // And the decided one: its resolution and a second attempt.
     await page.click(row(unknown));
     await page.waitForSelector(`#detail[data-task-id="${unknown}"] #timeline li[data-event="ResolutionDecided"]`);

@@ -440,6 +440,8 @@ impl Workers {
             output_ref: format!("checkpoint:{}:{}:{step}", lease.task_id, lease.generation),
             sha256: sha.clone(),
             checkpointed_at: crate::clock::now(),
+            generation: Some(lease.generation),
+            output_json: shown_output(output),
         });
         let mut transition = Transition {
             checkpoint: Some(Checkpoint { step, output, sha256: &sha }),
@@ -512,6 +514,17 @@ async fn pause(lease: &Lease, wait: Duration) -> Result<(), Stop> {
         _ = lease.fenced.cancelled() => Err(Stop::Fenced),
         _ = tokio::time::sleep(wait) => Ok(()),
     }
+}
+
+/// The most bytes of a step's output that travel with its checkpoint for intake
+/// to show; a larger output travels without it (intake shows its reference).
+const OUTPUT_SHOWN_BYTES: usize = 256 * 1024;
+
+/// A step's output as the checkpoint announces it: its canonical JSON text, if
+/// it is not too large for a record.
+fn shown_output(output: &serde_json::Value) -> Option<String> {
+    let text = fenceline_providers::dialect::canonical_json(output);
+    (text.len() <= OUTPUT_SHOWN_BYTES).then_some(text)
 }
 
 fn hex_sha(value: &serde_json::Value) -> String {

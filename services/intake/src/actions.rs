@@ -134,8 +134,8 @@ pub fn refusal_in_payload(payload: &serde_json::Value) -> Option<String> {
             .and_then(|v| v.as_str())
             .is_some_and(|d| ["reject", "rejected", "deny", "denied", "no"].contains(&d.to_ascii_lowercase().as_str()));
     says_no.then(|| {
-        "signal payload: it says no, and a signal only approves the wait it answers; nothing was sent. To stop \
-         the task, cancel it"
+        "signal payload: it says no, and a signal only approves the wait it answers; nothing was sent. To say \
+         no, reject the wait (POST /v1/tasks/{id}/reject); to stop the task, cancel it"
             .to_owned()
     })
 }
@@ -209,6 +209,10 @@ pub async fn signal(
             signal_id,
             payload_json: payload.to_string(),
             received_at: Timestamp::now(),
+            // A bare signal approves whichever wait for its name comes first.
+            step: None,
+            generation: None,
+            decision: None,
         });
         outbox.append(&mut tx, topics::TASKS, None, &event).await?;
         crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;

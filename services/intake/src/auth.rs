@@ -75,21 +75,36 @@ pub fn bearer(req: &HttpRequest) -> Option<String> {
 
 /// The tenant of an active token; `None` for an unknown or revoked one.
 pub async fn tenant_of(pool: &PgPool, token: &str) -> Result<Option<Tenant>, sqlx::Error> {
+    Ok(holder_of(pool, token).await?.map(|(tenant, _)| tenant))
+}
+
+/// The tenant of an active token and the token's identity (its id and label,
+/// never the token); `None` for an unknown or revoked one.
+async fn holder_of(pool: &PgPool, token: &str) -> Result<Option<(Tenant, String)>, sqlx::Error> {
     if token.len() > 200 {
         return Ok(None);
     }
-    let tenant: Option<String> =
-        sqlx::query_scalar("SELECT tenant FROM api_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL")
+    let found: Option<(String, Uuid, String)> =
+        sqlx::query_as("SELECT tenant, token_id, label FROM api_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL")
             .bind(digest(token))
             .fetch_optional(pool)
             .await?;
-    Ok(tenant.and_then(|t| Tenant::parse(&t).ok()))
+    Ok(found.and_then(|(tenant, token_id, label)| {
+        let tenant = Tenant::parse(&tenant).ok()?;
+        let identity = format!("tenant:{} token:{token_id} ({label})", tenant.as_str());
+        Some((tenant, identity))
+    }))
 }
 
 /// The tenant of the request's bearer token. Extracting it answers 401 for a missing,
 /// unknown or revoked token, and 429 when the tenant is over its request rate.
 #[derive(Debug, Clone)]
-pub struct Caller(pub Tenant);
+pub struct Caller(pub Tenant, pub TokenIdentity);
+
+/// Which token a request came with, for the record of a person's decision:
+/// `tenant:acme token:<id> (<label>)`.
+#[derive(Debug, Clone)]
+pub struct TokenIdentity(pub String);
 
 impl FromRequest for Caller {
     type Error = ApiError;
@@ -103,11 +118,11 @@ impl FromRequest for Caller {
             let (Some(token), Some(pool)) = (token, pool) else {
                 return Err(ApiError::Unauthorized);
             };
-            let tenant = tenant_of(pool.get_ref(), &token).await?.ok_or(ApiError::Unauthorized)?;
+            let (tenant, identity) = holder_of(pool.get_ref(), &token).await?.ok_or(ApiError::Unauthorized)?;
             if let Some(admission) = admission {
                 admission.admit(&tenant)?;
             }
-            Ok(Caller(tenant))
+            Ok(Caller(tenant, TokenIdentity(identity)))
         })
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use fenceline_config::catalog::Catalog;
+use fenceline_config::catalog::{Catalog, StepSpec};
 use fenceline_domain::ids::TaskId;
 
 use crate::problem::ApiError;
@@ -19,6 +19,16 @@ pub struct KindCatalog {
     /// Every kind the catalogue declares, with its approval steps in order; `None`
     /// without a catalogue, when intake cannot tell.
     approvals: Option<HashMap<String, Vec<Approval>>>,
+    /// Every kind's steps in order, as the catalogue declares them.
+    steps: HashMap<String, Vec<StepSpec>>,
+}
+
+/// A step after an approval: what the approval lets happen next.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct NextStep {
+    pub step: String,
+    pub provider: String,
+    pub operation: String,
 }
 
 /// An approval step: its name and the signal it waits for.
@@ -56,7 +66,7 @@ impl KindCatalog {
                 schemas.insert(kind.clone(), validator);
             }
         }
-        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None })
+        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None, steps: HashMap::new() })
     }
 
     /// Takes from the catalogue each kind's approval steps and the signals they wait
@@ -74,7 +84,43 @@ impl KindCatalog {
             })
             .collect();
         self.approvals = Some(approvals);
+        self.steps = catalog.kinds.iter().map(|(kind, spec)| (kind.clone(), spec.steps.clone())).collect();
         self
+    }
+
+    /// The approval steps of `kind` with the signals they wait for, in order; empty
+    /// without a catalogue.
+    pub fn approval_steps(&self, kind: &str) -> Vec<(&str, &str)> {
+        let steps = self.approvals.as_ref().and_then(|a| a.get(kind)).map(Vec::as_slice).unwrap_or_default();
+        steps.iter().map(|a| (a.step.as_str(), a.signal.as_str())).collect()
+    }
+
+    /// Where `step` is among the steps of `kind`, if the catalogue declares it.
+    pub fn position(&self, kind: &str, step: &str) -> Option<usize> {
+        self.steps.get(kind)?.iter().position(|s| s.name == step)
+    }
+
+    /// The call steps before the approval step `step` of `kind`: the outputs an
+    /// approval there rests on.
+    pub fn rests_on(&self, kind: &str, step: &str) -> Vec<String> {
+        let steps = self.steps.get(kind).map(Vec::as_slice).unwrap_or_default();
+        steps.iter().take_while(|s| s.name != step).filter(|s| s.call().is_some()).map(|s| s.name.clone()).collect()
+    }
+
+    /// The call steps an approval at `step` of `kind` lets run: those after it, up
+    /// to the next approval.
+    pub fn next_after(&self, kind: &str, step: &str) -> Vec<NextStep> {
+        let steps = self.steps.get(kind).map(Vec::as_slice).unwrap_or_default();
+        let mut next = Vec::new();
+        for s in steps.iter().skip_while(|s| s.name != step).skip(1) {
+            let Some((provider, operation)) = s.call() else { break };
+            next.push(NextStep {
+                step: s.name.clone(),
+                provider: provider.to_owned(),
+                operation: operation.to_owned(),
+            });
+        }
+        next
     }
 
     /// The kinds clients may submit that the catalogue does not declare.

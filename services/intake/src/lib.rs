@@ -4,6 +4,7 @@
 pub mod actions;
 pub mod admission;
 pub mod auth;
+pub mod decisions;
 pub mod kinds;
 pub mod live;
 pub mod openapi;
@@ -25,6 +26,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use fenceline_bus::OutboxWriter;
 use fenceline_config::ServiceConfig;
 use fenceline_domain::ids::TaskId;
+use fenceline_domain::vocabulary::ApprovalDecision;
 use fenceline_runtime::{Error, ServiceApp};
 use sqlx::PgPool;
 
@@ -219,6 +221,8 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                     .service(resource("/tasks/{task_id}/cancel", "POST").route(web::post().to(cancel)))
                     .service(resource("/tasks/{task_id}/signals/{name}", "POST").route(web::post().to(signal)))
                     .service(resource("/tasks/{task_id}/resolution", "POST").route(web::post().to(resolve)))
+                    .service(resource("/tasks/{task_id}/approve", "POST").route(web::post().to(approve)))
+                    .service(resource("/tasks/{task_id}/reject", "POST").route(web::post().to(reject)))
                     .service(resource("/summary", "GET").route(web::get().to(summary)))
                     .service(resource("/events", "GET").route(web::get().to(events)))
                     .service(resource("/webhooks/{source}", "POST").route(web::post().to(webhook))),
@@ -667,6 +671,88 @@ async fn resolve(
 ) -> Result<HttpResponse, ApiError> {
     let request = body.into_inner();
     let accepted = actions::resolve(&pool, &state.outbox, &caller.0, task_id(&path)?, &who(&caller), request).await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// Approves one wait of an approval step: the one the task waits at, or, given
+/// early, the wait `step` names (kept for that wait only). Records who decided
+/// (`decided_by`, beside the token's identity), the note, and the card it was made
+/// on; a `digest` that no longer matches the card is refused, naming what changed.
+#[utoipa::path(
+    post, path = "/v1/tasks/{task_id}/approve", tag = "tasks",
+    params(("task_id" = String, Path, description = "The task's id")),
+    request_body(content = decisions::Decide, content_type = "application/json"),
+    responses(
+        (status = 202, description = "Recorded and sent (`repeated` if recorded before)", body = actions::ActionAccepted),
+        (status = 400, description = "A bad decision", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`), the card changed since it was read (`approval-changed`, naming what changed), or the wait was already decided otherwise (`already-decided`)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "No such approval step or signal for the task's kind (`unknown-signal`)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
+    ),
+)]
+async fn approve(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+    body: web::Json<decisions::Decide>,
+) -> Result<HttpResponse, ApiError> {
+    decide(caller, state, pool, path, body, ApprovalDecision::Approve).await
+}
+
+/// Rejects one wait of an approval step, as `approve` names it: the task ends
+/// `failed`, its reason saying a person rejected it, and no step after the wait
+/// runs.
+#[utoipa::path(
+    post, path = "/v1/tasks/{task_id}/reject", tag = "tasks",
+    params(("task_id" = String, Path, description = "The task's id")),
+    request_body(content = decisions::Decide, content_type = "application/json"),
+    responses(
+        (status = 202, description = "Recorded and sent (`repeated` if recorded before)", body = actions::ActionAccepted),
+        (status = 400, description = "A bad decision", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such task for this tenant", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The task is already finished (`task-finished`), the card changed since it was read (`approval-changed`, naming what changed), or the wait was already decided otherwise (`already-decided`)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over the limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not application/json", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "No such approval step or signal for the task's kind (`unknown-signal`)", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
+    ),
+)]
+async fn reject(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+    body: web::Json<decisions::Decide>,
+) -> Result<HttpResponse, ApiError> {
+    decide(caller, state, pool, path, body, ApprovalDecision::Reject).await
+}
+
+async fn decide(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    path: web::Path<String>,
+    body: web::Json<decisions::Decide>,
+    decision: ApprovalDecision,
+) -> Result<HttpResponse, ApiError> {
+    let request = body.into_inner();
+    let task = task_id(&path)?;
+    let accepted =
+        decisions::decide(&pool, &state.outbox, &state.kinds, &caller.0, &caller.1, task, decision, request).await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
 

@@ -22,6 +22,8 @@ use crate::kinds::KindCatalog;
         crate::cancel,
         crate::signal,
         crate::resolve,
+        crate::approve,
+        crate::reject,
         crate::summary,
         crate::webhook,
     ),
@@ -104,6 +106,8 @@ mod tests {
             ("/v1/tasks/{task_id}/cancel", "post"),
             ("/v1/tasks/{task_id}/signals/{name}", "post"),
             ("/v1/tasks/{task_id}/resolution", "post"),
+            ("/v1/tasks/{task_id}/approve", "post"),
+            ("/v1/tasks/{task_id}/reject", "post"),
             ("/v1/summary", "get"),
             ("/v1/webhooks/{source}", "post"),
         ];

@@ -33,6 +33,10 @@ pub enum ApiError {
     #[error("{0}")]
     TaskFinished(String),
     #[error("{0}")]
+    ApprovalChanged(String),
+    #[error("{0}")]
+    AlreadyDecided(String),
+    #[error("{0}")]
     UnknownSignal(String),
     #[error("{0}")]
     InputInvalid(String),
@@ -82,6 +86,8 @@ impl ApiError {
             ApiError::CaseChanged(_) => "/problems/case-changed",
             ApiError::AlreadyResolved(_) => "/problems/already-resolved",
             ApiError::TaskFinished(_) => "/problems/task-finished",
+            ApiError::ApprovalChanged(_) => "/problems/approval-changed",
+            ApiError::AlreadyDecided(_) => "/problems/already-decided",
             ApiError::UnknownSignal(_) => "/problems/unknown-signal",
             ApiError::InputInvalid(_) => "/problems/input-invalid",
             ApiError::PayloadTooLarge(_) => "/problems/payload-too-large",
@@ -114,6 +120,8 @@ impl ApiError {
             ApiError::CaseChanged(_) => "The task's case changed",
             ApiError::AlreadyResolved(_) => "The case was already resolved",
             ApiError::TaskFinished(_) => "The task is already finished",
+            ApiError::ApprovalChanged(_) => "What the approval rests on changed",
+            ApiError::AlreadyDecided(_) => "The wait was already decided",
             ApiError::UnknownSignal(_) => "The task never waits for this signal",
             ApiError::InputInvalid(_) => "Input does not match its kind's schema",
             ApiError::PayloadTooLarge(_) => "Payload too large",
@@ -137,6 +145,8 @@ impl ResponseError for ApiError {
             | ApiError::InputInvalid(_)
             | ApiError::UnknownSignal(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotResolvable(_)
+            | ApiError::ApprovalChanged(_)
+            | ApiError::AlreadyDecided(_)
             | ApiError::CaseChanged(_)
             | ApiError::AlreadyResolved(_)
             | ApiError::TaskFinished(_) => StatusCode::CONFLICT,

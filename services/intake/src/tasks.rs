@@ -335,6 +335,23 @@ pub struct TaskView {
     /// Single reads only: the trace the task's first traced event belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace_id: Option<String>,
+    /// Single reads only: the input the task was submitted with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub input: Option<serde_json::Value>,
+    /// Single reads only: what each finished step produced, in the order the steps
+    /// finished (every generation's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<Vec<crate::decisions::StepOutput>>,
+    /// Single reads of a task in `awaiting_approval`: the card of the wait, what
+    /// an approval lets happen next and what it rests on, with the digest a
+    /// decision names (`POST /v1/tasks/{id}/approve` or `/reject`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<crate::decisions::ApprovalCard>,
+    /// Single reads only: every decision people made about the task's waits,
+    /// with what each was made on, oldest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<Vec<crate::decisions::DecisionView>>,
 }
 
 /// One attempt as the executor reported it.
@@ -458,6 +475,10 @@ impl From<Row> for TaskView {
             timeline: None,
             awaiting_signal: None,
             trace_id: None,
+            input: None,
+            steps: None,
+            approval: None,
+            decisions: None,
         }
     }
 }
@@ -514,6 +535,19 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
             );
     }
     view.timeline = Some(timeline);
+    let mut conn = pool.acquire().await?;
+    let input: Option<serde_json::Value> = sqlx::query_scalar("SELECT input FROM tasks WHERE task_id = $1")
+        .bind(task_id.as_uuid())
+        .fetch_optional(&mut *conn)
+        .await?;
+    view.input = input;
+    let outputs = crate::decisions::outputs(&mut conn, task_id).await?;
+    if let (Some(step), Some(signal)) = (view.step.clone(), view.awaiting_signal.clone()) {
+        let generation = crate::decisions::generation(&mut conn, task_id).await?;
+        view.approval = Some(crate::decisions::card(kinds, &view.kind, &step, &signal, generation, &outputs));
+    }
+    view.steps = Some(outputs);
+    view.decisions = Some(crate::decisions::recorded(&mut conn, task_id).await?);
     Ok(view)
 }
 
@@ -610,17 +644,13 @@ impl Handler for AttemptProjection {
         self.batch.discard();
     }
 
-    async fn handle(
-        &self,
-        _tx: &mut PgConnection,
-        _outbox: &OutboxWriter,
-        record: &Inbound,
-    ) -> Result<(), HandleError> {
+    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         if let Some(task_id) = self.batch.lines.gather(record) {
             self.batch.marks.mark(task_id, None);
         }
         let attempts = &self.batch.attempts;
         match &record.envelope.event {
+            Event::StepCheckpointed(e) => crate::decisions::record_output(tx, e).await?,
             Event::AttemptClaimed(e) => attempts.started(e.task_id, e.attempt, record.envelope.headers.produced_at),
             Event::AttemptSucceeded(e) => attempts.ended(e.task_id, e.attempt, Ended::at(e.finished_at, "succeeded")),
             Event::AttemptFailed(e) => attempts.ended(
@@ -945,6 +975,8 @@ pub async fn purge_finished_tasks(
         .await?;
         // Children first: actions reference their task.
         for table in [
+            "decisions",
+            "task_steps",
             "signals",
             "cancellations",
             "resolutions",

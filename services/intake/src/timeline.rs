@@ -302,10 +302,15 @@ pub async fn read(pool: &PgPool, task_id: TaskId, limit: i64) -> Result<Vec<Time
              'case ' || case_id || ' resolved with ' || action || ' by ' || decided_by \
              || CASE WHEN charge_acknowledged THEN ' (a second charge acknowledged)' ELSE '' END, NULL \
              FROM resolutions WHERE task_id = $1 \
+           UNION ALL SELECT decided_at, 'person', 'ApprovalDecided', NULL, step, NULL, signal_name, \
+             'the wait of step ' || step || ' (generation ' || generation || ') ' \
+             || CASE WHEN decision = $3 THEN 'rejected' ELSE 'approved' END || ' by ' || decided_by, NULL \
+             FROM decisions WHERE task_id = $1 \
          ) lines ORDER BY at, event LIMIT $2",
     )
     .bind(task_id.as_uuid())
     .bind(limit)
+    .bind(fenceline_domain::vocabulary::ApprovalDecision::Reject.as_str())
     .fetch_all(pool)
     .await
 }

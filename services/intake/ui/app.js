@@ -313,6 +313,9 @@
     ].filter(([, v]) => v !== null && v !== undefined && v !== '' && !(Array.isArray(v) && v.length === 0));
     $('detail-facts').replaceChildren(...facts.flatMap(([k, v]) => [el('dt', { text: k }), el('dd', { 'data-fact': k }, v)]));
     $('detail-case').replaceChildren(...(task.case ? [evidenceList(task.case.evidence)] : []));
+    $('detail-decided').replaceChildren(decidedOn(task),
+      ...(task.approval ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
+      ...((task.decisions || []).length ? [el('strong', { text: 'Decisions' }), decisionList(task.decisions)] : []));
     $('detail-attempts').replaceChildren(...(task.attempts || []).map((a) => el('tr', {},
       el('td', { text: String(a.attempt) }), el('td', { text: a.outcome }), el('td', { text: a.error_class || '' }),
       el('td', { text: a.detail || '' }),
@@ -326,6 +329,68 @@
         [line.attempt ? 'attempt ' + line.attempt : null, line.step, line.phase].filter(Boolean).join(' · '),
         line.detail ? el('div', { text: line.detail }) : null,
         line.trace_id ? el('span', { class: 'trace mono', text: 'trace ' + line.trace_id }) : null))));
+  }
+
+  /** The most characters of one value shown before "Show all". */
+  const SHOWN_CHARS = 4096;
+
+  /** A JSON value as text, cut at SHOWN_CHARS with a button that shows it whole. */
+  function jsonBlock(value) {
+    const text = JSON.stringify(value, null, 2) ?? 'null';
+    const pre = el('pre', { class: 'json', tabindex: '0' });
+    if (text.length <= SHOWN_CHARS) { pre.textContent = text; return pre; }
+    pre.textContent = text.slice(0, SHOWN_CHARS) + '…';
+    const all = el('button', { type: 'button', class: 'show-all', onclick: () => { pre.textContent = text; all.remove(); } },
+      'Show all (' + text.length + ' characters)');
+    return el('div', {}, pre, all);
+  }
+
+  /** A link to a file result, only for http(s) addresses; anything else is text. */
+  function artifactLink(uri) {
+    let safe = false;
+    try { safe = ['http:', 'https:'].includes(new URL(uri).protocol); } catch (e) { safe = false; }
+    return safe ? el('a', { href: uri, target: '_blank', rel: 'noopener noreferrer', text: uri }) : el('code', { text: uri });
+  }
+
+  /** One step's output: the artifact's link for a file result, else the value. */
+  function stepOutput(o) {
+    return el('div', { class: 'step-output', 'data-step': o.step },
+      el('div', { class: 'hint' }, el('strong', { text: o.step }), ' · generation ' + o.generation + ' · ' + when(o.checkpointed_at)),
+      o.artifact_uri ? el('div', {}, 'artifact ', artifactLink(o.artifact_uri), ' · sha256 ', el('code', { text: o.sha256 }))
+        : o.output !== undefined && o.output !== null ? jsonBlock(o.output)
+          : el('div', { class: 'hint', text: 'Not shown (too large to travel); at ' + o.output_ref }));
+  }
+
+  /** What a person decides on: the task's input and what its steps produced. */
+  function decidedOn(task) {
+    const parts = [];
+    if (task.input !== undefined && task.input !== null) parts.push(el('strong', { text: 'Input' }), jsonBlock(task.input));
+    if ((task.steps || []).length) parts.push(el('strong', { text: 'Step outputs' }), ...(task.steps || []).map(stepOutput));
+    return el('div', { class: 'decided-on' }, parts);
+  }
+
+  /** What an approval lets happen next and the outputs it rests on. */
+  function approvalFacts(card) {
+    const next = (card.then || []).length
+      ? card.then.map((n) => el('li', {}, 'runs ', el('strong', { text: n.step }), ' at ' + n.provider + ' (' + n.operation + ')'))
+      : [el('li', { text: 'lets the task go on; no paid step follows before the next approval' })];
+    return el('div', { class: 'approval-facts' },
+      el('p', {}, 'Approving step ', el('strong', { text: card.step }), ' (generation ' + card.generation + ', signal ' + card.signal + '):'),
+      el('ul', { class: 'then' }, next),
+      el('strong', { text: 'It rests on' }),
+      (card.rests_on || []).length ? card.rests_on.map(stepOutput) : el('p', { class: 'hint', text: 'no earlier output' }),
+      el('div', { class: 'hint' }, 'digest ', el('code', { class: 'digest', text: card.digest })));
+  }
+
+  /** Every decision made about the task's waits, with what it was made on. */
+  function decisionList(decisions) {
+    return el('ol', { class: 'decisions' }, (decisions || []).map((d) => el('li', { 'data-decision': d.decision },
+      el('div', {}, el('strong', { text: d.decision === 'reject' ? 'Rejected' : 'Approved' }),
+        ' step ' + d.step + ' (generation ' + d.generation + ') by ', el('strong', { text: d.decided_by }),
+        ' · ' + when(d.decided_at)),
+      el('div', { class: 'hint', text: 'token ' + d.token_identity + (d.digest ? ' · digest ' + d.digest : ' · no digest named') }),
+      d.note ? el('blockquote', { text: d.note }) : null,
+      el('details', {}, el('summary', { text: 'What it rested on' }), jsonBlock(d.rests_on)))));
   }
 
   function evidenceList(evidence) {
@@ -407,6 +472,7 @@
       el('div', { class: 'hint', text: (task.reason || '') + (task.step ? ' — step ' + task.step : '') + ' — case ' + task.case.case_id }),
       el('strong', { text: 'Evidence' }),
       evidenceList(task.case.evidence),
+      decidedOn(task),
       el('div', { class: 'actions' },
         el('div', { class: 'action' }, el('p', { text: says('retry_as_new') }),
           el('label', {}, acknowledge, ' I understand the provider may charge for this work again.'), retry),
@@ -420,7 +486,8 @@
     const tasks = await details('awaiting_approval');
     $('approvals-count').textContent = '(' + tasks.length + ')';
     const cards = tasks.map((task) => {
-      const key = 'approval:' + task.task_id + ':' + task.attempt + ':' + (task.awaiting_signal || '');
+      const key = 'approval:' + task.task_id + ':' + task.attempt + ':' + (task.awaiting_signal || '') + ':' +
+        (task.approval ? task.approval.digest : '');
       if (!knownCards.has(key)) knownCards.set(key, approvalCard(task, key));
       return knownCards.get(key);
     });
@@ -428,29 +495,49 @@
     if (cards.length === 0) $('approval-list').replaceChildren(el('p', { class: 'hint', 'data-key': 'none', text: 'No approval waits.' }));
   }
 
+  const NAME_KEY = 'fenceline.dashboard.name';
+
+  /** An approval's card: what it lets happen and rests on, who decides, a note,
+   *  and Approve or Reject, bound to this wait and to the digest shown. */
   function approvalCard(task, key) {
     const outcome = el('div', { class: 'outcome', role: 'status' });
-    const signal = task.awaiting_signal;
-    const approve = el('button', { type: 'button', class: 'primary approve', disabled: !signal, onclick: async () => {
-      approve.disabled = true;
+    const card = task.approval;
+    const name = el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name',
+      value: localStorage.getItem(NAME_KEY) || '' });
+    const note = el('textarea', { class: 'note', maxlength: '4000', rows: '2' });
+    const buttons = [];
+    const decide = async (decision) => {
+      const who = name.value.trim();
+      if (!who) { outcome.textContent = 'Name the person who decides.'; name.focus(); return; }
+      localStorage.setItem(NAME_KEY, who);
+      for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
-      const { status, data } = await api('POST',
-        '/v1/tasks/' + encodeURIComponent(task.task_id) + '/signals/' + encodeURIComponent(signal),
-        { approved_via: 'dashboard', step: task.step || null });
+      const body = { decided_by: who, step: card.step, generation: card.generation, digest: card.digest };
+      if (note.value.trim()) body.note = note.value.trim();
+      const { status, data } = await api('POST', '/v1/tasks/' + encodeURIComponent(task.task_id) + '/' + decision, body);
       if (status === 202) {
-        outcome.textContent = data.repeated ? 'Already approved.' : 'Approved.';
+        const done = decision === 'reject' ? 'Rejected' : 'Approved';
+        outcome.textContent = (data.repeated ? 'Already recorded: ' : '') + done + ' by ' + who + '.';
       } else {
         outcome.textContent = 'Refused: ' + problemText(status, data);
-        approve.disabled = false;
+        for (const b of buttons) b.disabled = false;
       }
       scheduleRefresh();
-    } }, 'Approve');
+    };
+    const approve = el('button', { type: 'button', class: 'primary approve', disabled: !card, onclick: () => decide('approve') }, 'Approve');
+    const reject = el('button', { type: 'button', class: 'danger reject', disabled: !card, onclick: () => decide('reject') }, 'Reject');
+    buttons.push(approve, reject);
     return el('article', { class: 'card approval', 'data-key': key, 'data-task-id': task.task_id },
       el('h3', {}, stateBadge(task.state), ' ', task.kind, ' ', el('code', { title: task.task_id, text: short(task.task_id) })),
       el('div', { class: 'hint', text: (task.reason || '') + (task.step ? ' — step ' + task.step : '') }),
       el('div', {}, labels(task.labels)),
-      el('p', { text: signal ? 'Sends the signal ' + signal + '.' : 'The signal this step waits for is not known yet.' }),
-      approve, outcome);
+      card ? approvalFacts(card) : el('p', { text: 'What this step waits for is not known yet.' }),
+      task.input !== undefined && task.input !== null ? el('details', {}, el('summary', { text: 'Input' }), jsonBlock(task.input)) : null,
+      el('div', { class: 'actions' },
+        el('label', {}, 'Decided by ', name),
+        el('label', {}, 'Note ', note),
+        approve, reject),
+      outcome);
   }
 
   // --- wiring -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
 use fenceline_domain::limits::Health;
-use fenceline_domain::vocabulary::{Phase, Priority, ReleaseReason, TaskState};
+use fenceline_domain::vocabulary::{ApprovalDecision, Phase, Priority, ReleaseReason, TaskState};
 use fenceline_events::{Event, TaskAccepted};
 use sqlx::PgConnection;
 
@@ -158,7 +158,13 @@ impl LifecycleEvents {
 fn request_input(event: &Event) -> Option<Input> {
     match event {
         Event::CancelRequested(_) => Some(Input::CancelRequested),
-        Event::SignalReceived(e) => Some(Input::Signal { name: e.signal_name.clone(), signal_id: e.signal_id.clone() }),
+        Event::SignalReceived(e) => Some(Input::Signal {
+            name: e.signal_name.clone(),
+            signal_id: e.signal_id.clone(),
+            step: e.step.clone(),
+            generation: e.generation.and_then(|g| u32::try_from(g).ok()),
+            decision: e.decision.unwrap_or(ApprovalDecision::Approve),
+        }),
         Event::ResolutionDecided(e) => Some(Input::Resolution {
             case_id: e.case_id.clone(),
             action: e.action,

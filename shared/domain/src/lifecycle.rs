@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::calls::Backoff;
 use crate::ids::GrantId;
-use crate::vocabulary::{ErrorClass, Phase, RecoveryDecision, ReleaseReason, ResolutionAction, TaskState};
+use crate::vocabulary::{
+    ApprovalDecision, ErrorClass, Phase, RecoveryDecision, ReleaseReason, ResolutionAction, TaskState,
+};
 
 /// Microseconds since the Unix epoch (the wire's instant), so this module needs no clock.
 pub type Micros = i64;
@@ -51,12 +53,38 @@ pub struct EarlyDecision {
 }
 
 /// A signal heard while the task was not waiting for it (an approval given before
-/// the approval step began).
+/// the approval step began), kept for the wait it names.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeptSignal {
     pub name: String,
     pub signal_id: String,
+    /// The approval step it answers; `None`: any wait for the name.
+    #[serde(default)]
+    pub step: Option<String>,
+    /// The generation it answers; `None`: any.
+    #[serde(default)]
+    pub generation: Option<u32>,
+    #[serde(default = "approves")]
+    pub decision: ApprovalDecision,
 }
+
+fn approves() -> ApprovalDecision {
+    ApprovalDecision::Approve
+}
+
+impl KeptSignal {
+    /// Whether it answers the wait for `name` at `step` in `generation`.
+    fn answers(&self, name: &str, step: Option<&str>, generation: u32) -> bool {
+        self.name == name
+            && self.step.as_deref().is_none_or(|s| step == Some(s))
+            && self.generation.is_none_or(|g| g == generation)
+    }
+}
+
+/// How the reason of a task a person rejected begins, everywhere its state shows.
+///
+/// Do not change: readers (the CLI, dashboards) recognise a rejection by it.
+pub const REJECTED_BY_PERSON: &str = "rejected by a person";
 
 /// How many signal ids a task keeps, early ones and consumed ones each: a
 /// duplicate of a consumed signal cannot approve a later wait, and a flood of
@@ -159,6 +187,12 @@ pub enum Input {
         name: String,
         /// The signal's identity (intake's dedupe): a signal ends one wait at most.
         signal_id: String,
+        /// The approval step whose wait it answers; `None`: any wait for `name`.
+        step: Option<String>,
+        /// The generation whose wait it answers; `None`: any.
+        generation: Option<u32>,
+        /// Whether it lets the task go on or ends it.
+        decision: ApprovalDecision,
     },
     Resolution {
         /// The case the person read; a resolution of any other case changes nothing.
@@ -325,10 +359,18 @@ impl Task {
                         self.reason = Some(format!("waiting for the signal `{signal}`"));
                         self.step = step;
                         self.phase = None;
-                        match self.kept_signals.iter().position(|k| k.name == signal) {
+                        let generation = self.generation;
+                        let step = self.step.clone();
+                        match self.kept_signals.iter().position(|k| k.answers(&signal, step.as_deref(), generation)) {
                             Some(at) => {
                                 let kept = self.kept_signals.remove(at);
-                                self.resume(&kept.name, kept.signal_id, now, "received before the wait began");
+                                self.decided(
+                                    &kept.name,
+                                    kept.signal_id,
+                                    kept.decision,
+                                    now,
+                                    "received before the wait began",
+                                );
                             }
                             None => self.awaiting_signal = Some(signal),
                         }
@@ -380,15 +422,19 @@ impl Task {
             }
             Input::CancelRequested => self.cancel(effects),
             Input::Signal { signal_id, .. } if self.signal_seen(&signal_id) => {}
-            Input::Signal { name, signal_id }
+            // Bound to a generation a person's retry has left behind: no wait of it is left.
+            Input::Signal { generation: Some(g), .. } if g < self.generation => {}
+            Input::Signal { name, signal_id, step, generation, decision }
                 if self.state == TaskState::AwaitingApproval
-                    && self.awaiting_signal.as_deref() == Some(name.as_str()) =>
+                    && self.awaiting_signal.as_deref() == Some(name.as_str())
+                    && step.as_deref().is_none_or(|s| self.step.as_deref() == Some(s))
+                    && generation.is_none_or(|g| g == self.generation) =>
             {
-                self.resume(&name, signal_id, now, "received");
+                self.decided(&name, signal_id, decision, now, "received");
             }
-            // Early (the wait has not begun): kept, and consumed when the wait begins.
-            Input::Signal { name, signal_id } if self.kept_signals.len() < SIGNALS_KEPT => {
-                self.kept_signals.push(KeptSignal { name, signal_id })
+            // Early (its wait has not begun): kept, and consumed when that wait begins.
+            Input::Signal { name, signal_id, step, generation, decision } if self.kept_signals.len() < SIGNALS_KEPT => {
+                self.kept_signals.push(KeptSignal { name, signal_id, step, generation, decision })
             }
             Input::Resolution { case_id, action, result }
                 if self.awaits_a_person() && self.case_id.as_deref() == Some(case_id.as_str()) =>
@@ -457,14 +503,37 @@ impl Task {
             || self.kept_signals.iter().any(|k| k.signal_id == signal_id)
     }
 
-    /// A signal ends the wait: the next attempt resumes after the waiting step.
-    fn resume(&mut self, name: &str, signal_id: String, now: Micros, how: &str) {
-        self.awaiting_signal = None;
-        self.resume_after_step = self.step.clone();
+    /// A person's decision ends the wait: an approval lets the task go on, a
+    /// rejection ends it failed, and no step after the wait runs.
+    fn decided(&mut self, name: &str, signal_id: String, decision: ApprovalDecision, now: Micros, how: &str) {
+        match decision {
+            ApprovalDecision::Approve => self.resume(name, signal_id, now, how),
+            ApprovalDecision::Reject => {
+                self.awaiting_signal = None;
+                self.remember(signal_id);
+                let step = self.step.clone().unwrap_or_default();
+                self.finish(
+                    TaskState::Failed,
+                    &format!(
+                        "{REJECTED_BY_PERSON}: the approval `{name}` of step `{step}` was refused; no step after it runs"
+                    ),
+                );
+            }
+        }
+    }
+
+    fn remember(&mut self, signal_id: String) {
         self.consumed_signals.push(signal_id);
         if self.consumed_signals.len() > SIGNALS_KEPT {
             self.consumed_signals.remove(0);
         }
+    }
+
+    /// A signal ends the wait: the next attempt resumes after the waiting step.
+    fn resume(&mut self, name: &str, signal_id: String, now: Micros, how: &str) {
+        self.awaiting_signal = None;
+        self.resume_after_step = self.step.clone();
+        self.remember(signal_id);
         self.wait_until(now, format!("signal `{name}` {how}"));
         self.state = TaskState::Queued;
     }
@@ -789,9 +858,9 @@ mod tests {
         let (task, effects) = run(
             &task,
             vec![
-                Input::Signal { name: "wrong".into(), signal_id: "w".into() },
-                Input::Signal { name: "refund_approved".into(), signal_id: "a".into() },
-                Input::Signal { name: "refund_approved".into(), signal_id: "a".into() },
+                signal("wrong", "w"),
+                signal("refund_approved", "a"),
+                signal("refund_approved", "a"),
                 Input::Grant { grant_id: grant(2) },
             ],
             0,
@@ -946,6 +1015,68 @@ mod tests {
         assert_eq!((task.state, task.result.as_ref()), (TaskState::Succeeded, Some(&art)));
     }
 
+    /// An approval of any wait for `name` (a signal sent without naming its wait).
+    fn signal(name: &str, id: &str) -> Input {
+        Input::Signal {
+            name: name.into(),
+            signal_id: id.into(),
+            step: None,
+            generation: None,
+            decision: ApprovalDecision::Approve,
+        }
+    }
+
+    /// A person's decision about the wait at `step` in `generation`.
+    fn decision(decision: ApprovalDecision, step: &str, generation: u32, id: &str) -> Input {
+        Input::Signal {
+            name: "refund_approved".into(),
+            signal_id: id.into(),
+            step: Some(step.into()),
+            generation: Some(generation),
+            decision,
+        }
+    }
+
+    #[test]
+    fn a_rejection_ends_the_wait_failed_and_nothing_runs_after_it() {
+        let waiting = waiting_for_approval(vec![]);
+        let t = waiting.apply(decision(ApprovalDecision::Reject, "approve", 0, "r1"), 0, &POLICY);
+        assert_eq!(t.task.state, TaskState::Failed);
+        assert!(t.task.reason.as_deref().is_some_and(|r| r.starts_with(REJECTED_BY_PERSON)), "{:?}", t.task.reason);
+        assert!(t.effects.is_empty() && t.visible);
+        // An approval after it changes nothing: the task is final.
+        let later = t.task.apply(decision(ApprovalDecision::Approve, "approve", 0, "a1"), 0, &POLICY);
+        assert_eq!(later.task, t.task);
+        // Given before the wait, the rejection ends the wait as soon as it begins.
+        let early = waiting_for_approval(vec![decision(ApprovalDecision::Reject, "approve", 0, "r1")]);
+        assert_eq!(early.state, TaskState::Failed);
+        assert_eq!(early.apply(Input::Grant { grant_id: grant(9) }, 0, &POLICY).effects, vec![]);
+    }
+
+    #[test]
+    fn a_decision_bound_to_a_wait_answers_that_wait_only() {
+        // Sent before the wait, for another step or another generation: kept, and the wait still waits.
+        for other in [
+            decision(ApprovalDecision::Approve, "second_approval", 0, "a1"),
+            decision(ApprovalDecision::Reject, "second_approval", 0, "r1"),
+            decision(ApprovalDecision::Approve, "approve", 1, "a2"),
+        ] {
+            let task = waiting_for_approval(vec![other.clone()]);
+            assert_eq!(task.state, TaskState::AwaitingApproval, "{other:?}");
+            // Nor does it end the wait when it arrives during it.
+            let during = waiting_for_approval(vec![]).apply(other.clone(), 0, &POLICY).task;
+            assert_eq!(during.state, TaskState::AwaitingApproval, "{other:?}");
+        }
+        // Its own wait takes it.
+        let task = waiting_for_approval(vec![decision(ApprovalDecision::Approve, "approve", 0, "a1")]);
+        assert_eq!((task.state, task.resume_after_step.as_deref()), (TaskState::Queued, Some("approve")));
+        // A decision for a generation a retry left behind is dropped, not kept.
+        let mut later = waiting_for_approval(vec![]);
+        later.generation = 2;
+        let t = later.apply(decision(ApprovalDecision::Reject, "approve", 1, "r9"), 0, &POLICY);
+        assert_eq!(t.task, later);
+    }
+
     fn waiting_for_approval(signals_first: Vec<Input>) -> Task {
         let mut inputs = vec![Input::Grant { grant_id: grant(1) }];
         inputs.extend(signals_first);
@@ -960,7 +1091,7 @@ mod tests {
 
     #[test]
     fn an_approval_given_before_the_wait_began_ends_the_wait_at_once_and_only_once() {
-        let approve = |id: &str| Input::Signal { name: "refund_approved".into(), signal_id: id.into() };
+        let approve = |id: &str| signal("refund_approved", id);
         let task = waiting_for_approval(vec![approve("a1"), approve("a1")]);
         assert_eq!((task.state, task.resume_after_step.as_deref()), (TaskState::Queued, Some("approve")));
         assert!(task.kept_signals.is_empty());
@@ -1073,7 +1204,19 @@ mod tests {
                 }
             ),
             Just(Input::CancelRequested),
-            (0u8..3).prop_map(|n| Input::Signal { name: "go".into(), signal_id: format!("s{n}") }),
+            (
+                0u8..3,
+                prop::option::of(prop::sample::select(vec!["approve", "other"])),
+                prop::option::of(0u32..2),
+                prop::sample::select(ApprovalDecision::ALL)
+            )
+                .prop_map(|(n, step, generation, decision)| Input::Signal {
+                    name: "go".into(),
+                    signal_id: format!("s{n}"),
+                    step: step.map(str::to_owned),
+                    generation,
+                    decision,
+                }),
             (
                 prop::sample::select(vec!["c", "other"]),
                 prop::sample::select(ResolutionAction::ALL),
@@ -1101,8 +1244,11 @@ mod tests {
             lost: bool,
             decision: RecoveryDecision,
         },
-        /// Waits for the `go` signal, which a person sends (perhaps before the wait).
-        AwaitApproval,
+        /// Waits for the `go` signal, which a person sends bound to the wait (perhaps
+        /// before the wait began); a rejection ends the task.
+        AwaitApproval {
+            reject: bool,
+        },
         Busy,
     }
 
@@ -1126,7 +1272,7 @@ mod tests {
             Just(Script::Succeed),
             clean.prop_map(Script::Fail),
             (any::<bool>(), decision).prop_map(|(lost, decision)| Script::Doubt { lost, decision }),
-            Just(Script::AwaitApproval),
+            any::<bool>().prop_map(|reject| Script::AwaitApproval { reject }),
             Just(Script::Busy),
         ]
     }
@@ -1184,6 +1330,8 @@ mod tests {
         /// Distinct signals people sent, and waits that ended.
         signals_sent: usize,
         waits_ended: usize,
+        /// A person's rejection ended a wait.
+        rejected: bool,
         /// The decision scripted for each attempt that ended in doubt, until it shows.
         owed: Vec<(u32, RecoveryDecision)>,
     }
@@ -1206,13 +1354,14 @@ mod tests {
                 cancel_heard: false,
                 signals_sent: 0,
                 waits_ended: 0,
+                rejected: false,
                 owed: Vec::new(),
             }
         }
 
         /// The executor runs a granted attempt at once; the reconciler decides a
         /// doubtful end at once too. The scheduler may hear any of it in any order.
-        fn executor(&mut self, grant_id: GrantId, attempt: u32) {
+        fn executor(&mut self, grant_id: GrantId, attempt: u32, generation: u32) {
             let script = self.run.attempts.get(attempt as usize - 1).cloned().unwrap_or(Script::Succeed);
             self.pending.push(Input::Claimed { grant_id });
             self.pending.push(Input::Progress { grant_id, step: "s".into(), phase: Phase::CallIntent });
@@ -1240,14 +1389,20 @@ mod tests {
                     self.pending.push(Input::Recovery { attempt, decision, result, case_id, jitter: 0.5 });
                     self.owed.push((attempt, decision));
                 }
-                Script::AwaitApproval => {
+                Script::AwaitApproval { reject } => {
                     self.pending.push(Input::Released {
                         grant_id,
                         reason: ReleaseReason::AwaitingSignal,
                         step: Some("approve".into()),
                         signal: Some("go".into()),
                     });
-                    self.pending.push(Input::Signal { name: "go".into(), signal_id: format!("go-{attempt}") });
+                    self.pending.push(Input::Signal {
+                        name: "go".into(),
+                        signal_id: format!("go-{attempt}"),
+                        step: Some("approve".into()),
+                        generation: Some(generation),
+                        decision: if reject { ApprovalDecision::Reject } else { ApprovalDecision::Approve },
+                    });
                     self.signals_sent += 1;
                 }
                 Script::Busy => self.pending.push(Input::Released {
@@ -1271,9 +1426,10 @@ mod tests {
                 self.cancel_heard = true;
             }
             for effect in &t.effects {
-                if let Effect::Dispatch { grant_id, attempt, .. } = effect {
+                if let Effect::Dispatch { grant_id, attempt, generation, .. } = effect {
                     prop_assert!(!self.cancel_heard, "a new attempt after a cancel was heard: the cancel was lost");
-                    self.executor(*grant_id, *attempt);
+                    prop_assert!(!self.rejected, "a new attempt after a person rejected the wait");
+                    self.executor(*grant_id, *attempt, *generation);
                 }
             }
             // A wait ends with a signal: one heard now, or one kept from before it began.
@@ -1283,6 +1439,11 @@ mod tests {
             if waited && t.task.state == TaskState::Queued {
                 self.waits_ended += 1;
                 prop_assert!(self.waits_ended <= self.signals_sent, "a wait ended without a signal of its own");
+            }
+            if t.task.reason.as_deref().is_some_and(|r| r.starts_with(REJECTED_BY_PERSON)) && !before.is_final() {
+                prop_assert!(waited, "rejected outside a wait");
+                prop_assert_eq!(t.task.state, TaskState::Failed);
+                self.rejected = true;
             }
             // The doubtful attempt's decision shows once it is applied.
             if before.attempt == t.task.attempt
@@ -1398,6 +1559,22 @@ mod tests {
                 }
                 if before.is_final() {
                     prop_assert_eq!(&t.task, &before, "a final state changed");
+                }
+                // A decision bound to another wait never ends this one.
+                if let Input::Signal { step, generation, .. } = &input
+                    && before.state == TaskState::AwaitingApproval
+                    && (step.as_ref().is_some_and(|s| before.step.as_ref() != Some(s))
+                        || generation.is_some_and(|g| g != before.generation))
+                {
+                    prop_assert_eq!(t.task.state, TaskState::AwaitingApproval, "a decision for another wait ended it");
+                }
+                // Only a person's rejection of a wait ends a task as rejected.
+                if t.task.reason.as_deref().is_some_and(|r| r.starts_with(REJECTED_BY_PERSON)) && !before.is_final() {
+                    let rejection = matches!(&input, Input::Signal { decision: ApprovalDecision::Reject, .. })
+                        || matches!(&input, Input::Released { reason: ReleaseReason::AwaitingSignal, .. });
+                    prop_assert!(rejection, "rejected without a rejection: {:?}", input);
+                    prop_assert_eq!(t.task.state, TaskState::Failed);
+                    prop_assert!(t.effects.iter().all(|e| !matches!(e, Effect::Dispatch { .. })), "ran after a rejection");
                 }
                 if before.state == TaskState::OutcomeUnknown && t.task.state != before.state {
                     // Only a person leaves it, or proof for its own case: a verified

@@ -143,6 +143,14 @@ word_set!(
     }
 );
 
+word_set!(
+    /// What a person decided about one wait of an approval step.
+    ApprovalDecision, "approval decision" {
+        Approve => "approve",
+        Reject => "reject",
+    }
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{
-    ErrorClass, Phase, Priority, RecoveryDecision, ReleaseReason, ResolutionAction, TaskState,
+    ApprovalDecision, ErrorClass, Phase, Priority, RecoveryDecision, ReleaseReason, ResolutionAction, TaskState,
 };
 use serde::{Deserialize, Serialize};
 
@@ -128,6 +128,12 @@ pub struct SignalReceived {
     pub signal_id: String,
     pub payload_json: String,
     pub received_at: Timestamp,
+    /// The approval step whose wait it answers; `None`: any wait for the name.
+    pub step: Option<String>,
+    /// The generation whose wait it answers; `None`: any.
+    pub generation: Option<i32>,
+    /// `None`: an approval (what every signal was before decisions).
+    pub decision: Option<ApprovalDecision>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -204,6 +210,9 @@ pub struct StepCheckpointed {
     pub output_ref: String,
     pub sha256: String,
     pub checkpointed_at: Timestamp,
+    pub generation: Option<i32>,
+    /// The step's output as JSON text; `None` from writers before it was sent.
+    pub output_json: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

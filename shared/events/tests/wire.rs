@@ -85,6 +85,9 @@ fn samples() -> Vec<Event> {
             signal_id: "approval-7".into(),
             payload_json: r#"{"approved":true}"#.into(),
             received_at: at(10),
+            step: Some("approve".into()),
+            generation: Some(1),
+            decision: Some(ApprovalDecision::Reject),
         }
         .into(),
         ResolutionDecided {
@@ -149,6 +152,8 @@ fn samples() -> Vec<Event> {
             output_ref: "pg://executor/checkpoints/17".into(),
             sha256: "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855".into(),
             checkpointed_at: at(17),
+            generation: Some(0),
+            output_json: Some(r#"{"category":"refund"}"#.into()),
         }
         .into(),
         AwaitingSignal {
@@ -458,4 +463,25 @@ fn a_record_from_a_writer_without_a_new_optional_field_reads_with_its_default() 
     let read: TaskStatus = apache_avro::from_value(&value).expect("current type");
     assert_eq!(read.case_id, None, "the default of the field the old writer lacked");
     assert_eq!(read.task_id, with_case.task_id);
+}
+
+/// Bytes the first versions of `StepCheckpointed` (before it carried the step's
+/// output) and `SignalReceived` (before a signal named its wait and decision)
+/// wrote, kept byte for byte: they still decode, the new fields absent.
+#[test]
+fn records_written_before_outputs_and_decisions_travelled_still_decode() {
+    let sample_of = |event_type: &str| samples().into_iter().find(|e| e.event_type() == event_type).expect("sample");
+    let v1 = std::fs::read(golden_dir().join("history/StepCheckpointed.v1.bin")).expect("v1 golden");
+    let (Ok(Event::StepCheckpointed(read)), Event::StepCheckpointed(sample)) =
+        (decode(&v1), sample_of("StepCheckpointed"))
+    else {
+        panic!("StepCheckpointed v1 bytes do not decode")
+    };
+    assert_eq!(read, StepCheckpointed { generation: None, output_json: None, ..sample });
+    let v1 = std::fs::read(golden_dir().join("history/SignalReceived.v1.bin")).expect("v1 golden");
+    let (Ok(Event::SignalReceived(read)), Event::SignalReceived(sample)) = (decode(&v1), sample_of("SignalReceived"))
+    else {
+        panic!("SignalReceived v1 bytes do not decode")
+    };
+    assert_eq!(read, SignalReceived { step: None, generation: None, decision: None, ..sample });
 }

@@ -59,8 +59,15 @@ pub enum Command {
     /// again with that key to be sure the task is created once, for example after a
     /// time-out. The same key with a different request is refused (exit 4).
     Submit(SubmitArgs),
-    /// Reads one task: its state and why, its attempts, its result, its case.
-    Get { task_id: TaskId },
+    /// Reads one task: its state and why, its input and its steps' outputs, the
+    /// card of the approval it waits for, the decisions made, its attempts, its
+    /// result, its case. Each value is cut at 4 KiB unless --full.
+    Get {
+        task_id: TaskId,
+        /// Show every value whole, however long.
+        #[arg(long)]
+        full: bool,
+    },
     /// Lists the tenant's tasks, newest first, with intake's filters.
     List(ListArgs),
     /// Follows one task, or every task with a label, printing each change until it
@@ -76,13 +83,18 @@ pub enum Command {
     /// Asks for a task to be cancelled: at once if nothing runs, cooperatively if
     /// an attempt runs. Asking again changes nothing.
     Cancel { task_id: TaskId },
-    /// Approves a task waiting for an approval: sends the signal its step waits for.
+    /// Approves one wait of a task's approval step, as a named person, bound to
+    /// the card `get` shows (the step, the generation and the digest of what it
+    /// rests on).
     ///
-    /// Without --signal, the signal the task awaits now (`get` shows it as
-    /// "awaiting signal"); a task that awaits none is refused here (exit 2, or 4 if
-    /// it finished). A signal no step of the task's kind waits for is refused by
-    /// intake (exit 2), as is a new signal to a finished task (exit 4).
+    /// Without --signal or --step, the wait the task is at now; a task that awaits
+    /// none is refused here (exit 2, or 4 if it finished). Given ahead of its wait
+    /// (--signal or --step), the approval is kept for that wait only. A card that
+    /// changed since it was read (--digest) is refused, naming what changed (exit 4).
     Approve(ApproveArgs),
+    /// Rejects one wait of a task's approval step, as `approve` names it: the task
+    /// ends failed, rejected by a person, and no step after the wait runs.
+    Reject(ApproveArgs),
     /// Resolves the case of a task in outcome_unknown or needs_human, naming the
     /// case that `get` showed.
     ///
@@ -181,17 +193,23 @@ pub struct Polling {
 #[derive(Debug, Args)]
 pub struct ApproveArgs {
     pub task_id: TaskId,
-    /// The signal to send, such as refund_approved; by default the one the task awaits.
+    /// The signal the wait takes, such as refund_approved; by default the one the task awaits.
     #[arg(long)]
     pub signal: Option<String>,
-    /// A JSON object sent with the approval (who approved, why).
+    /// The approval step whose wait this decides; by default the one the task is at.
     #[arg(long)]
-    pub payload: Option<String>,
-    /// The signal's identity (sent as Idempotency-Key); without it the same payload
-    /// is one signal per generation of the task.
-    #[arg(long, value_parser = parse_key)]
-    pub key: Option<String>,
-    /// Then follow the task as `watch` does, past the wait this approval ends.
+    pub step: Option<String>,
+    /// Who decides: the person's name, recorded beside the token's identity.
+    #[arg(long = "as", value_name = "NAME")]
+    pub decided_by: String,
+    /// Why, in the person's words; kept with the decision.
+    #[arg(long)]
+    pub note: Option<String>,
+    /// The digest of the approval card the person read (`get` prints it); by
+    /// default the card's digest as it is now, which this command prints.
+    #[arg(long)]
+    pub digest: Option<String>,
+    /// Then follow the task as `watch` does, past the wait this decision ends.
     #[arg(long)]
     pub watch: bool,
     #[command(flatten)]

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::TaskState;
+use fenceline_domain::vocabulary::{ApprovalDecision, TaskState};
 use secrecy::SecretString;
 use serde_json::{Value, json};
 
@@ -26,12 +26,14 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
     };
     match cli.command {
         Command::Submit(args) => submit(&intake()?, args, json, out),
-        Command::Get { task_id } => {
+        Command::Get { task_id, full } => {
             let answer = intake()?.get(&format!("/v1/tasks/{task_id}"), &[])?;
             if json {
                 raw(out, &answer.text)?;
             } else {
-                render::task(out, &answer.parse()?)?;
+                let task: TaskView = answer.parse()?;
+                render::task(out, &task)?;
+                render::decided_on(out, &task, (!full).then_some(render::SHOWN_BYTES))?;
             }
             Ok(Exit::Ok)
         }
@@ -46,7 +48,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
             action(out, json, &answer.text, &answer.parse()?)?;
             Ok(Exit::Ok)
         }
-        Command::Approve(args) => approve(&intake()?, args, json, out),
+        Command::Approve(args) => decide(&intake()?, args, ApprovalDecision::Approve, json, out),
+        Command::Reject(args) => decide(&intake()?, args, ApprovalDecision::Reject, json, out),
         Command::Resolve(args) => resolve(&intake()?, args, json, out),
         Command::Audit(args) => {
             let token = token(args.audit_token, args.audit_token_file.as_deref())?;
@@ -211,39 +214,81 @@ fn list(client: &Client, args: ListArgs, json: bool, out: &mut dyn Write) -> Res
     Ok(Exit::Ok)
 }
 
-/// Sends the signal named, or the one the task awaits now.
-fn approve(client: &Client, args: ApproveArgs, json: bool, out: &mut dyn Write) -> Result<Exit, Error> {
-    let payload = args.payload.as_deref().map(|p| json_object("--payload", p)).transpose()?;
-    let headers: Vec<(&str, &str)> = args.key.as_deref().map(|k| ("Idempotency-Key", k)).into_iter().collect();
-    let (signal, before) = match args.signal {
-        Some(signal) => (signal, if args.watch { Some(version(client, args.task_id)?) } else { None }),
-        None => {
-            let task: TaskView = client.get(&format!("/v1/tasks/{}", args.task_id), &[])?.parse()?;
-            (awaited_signal(&task)?, Some(task.version))
+/// Decides one wait of the task's approval step: the one it is at now, bound to
+/// its card (step, generation, digest), or, given --signal or --step, a wait ahead.
+fn decide(
+    client: &Client,
+    args: ApproveArgs,
+    decision: ApprovalDecision,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<Exit, Error> {
+    let task: TaskView = client.get(&format!("/v1/tasks/{}", args.task_id), &[])?.parse()?;
+    let mut body = json!({ "decided_by": args.decided_by });
+    for (field, value) in [("note", &args.note), ("signal", &args.signal), ("step", &args.step)] {
+        if let Some(value) = value {
+            body[field] = Value::String(value.clone());
         }
-    };
-    let answer = client.post(&format!("/v1/tasks/{}/signals/{signal}", args.task_id), payload.as_ref(), &headers)?;
+    }
+    let ahead = args.signal.is_some() || args.step.is_some();
+    match &task.approval {
+        // The wait the task is at: bound to the card as it is now, or as the person read it.
+        Some(card) if args.step.as_deref().is_none_or(|s| s == card.step) => {
+            body["step"] = Value::String(card.step.clone());
+            body["generation"] = Value::from(card.generation);
+            body["digest"] = Value::String(args.digest.clone().unwrap_or_else(|| card.digest.clone()));
+            if !json {
+                writeln!(
+                    out,
+                    "{} the wait of step {} (generation {}) of {}:",
+                    verb(decision),
+                    card.step,
+                    card.generation,
+                    task.task_id
+                )?;
+                let shown = TaskView { input: None, steps: None, decisions: None, ..task.clone() };
+                render::decided_on(out, &shown, Some(render::SHOWN_BYTES))?;
+            }
+        }
+        _ if ahead => {
+            if let Some(digest) = &args.digest {
+                body["digest"] = Value::String(digest.clone());
+            }
+        }
+        _ => body["signal"] = Value::String(awaited_signal(&task, decision)?),
+    }
+    let path = format!("/v1/tasks/{}/{}", args.task_id, decision.as_str());
+    let answer = client.post(&path, Some(&body), &[])?;
     action(out, json, &answer.text, &answer.parse()?)?;
-    match before.filter(|_| args.watch) {
-        Some(before) => {
-            watch::task_after(client, args.task_id, Some(before), TaskState::Succeeded, args.polling, json, out)
-        }
-        None => Ok(Exit::Ok),
+    if !args.watch {
+        return Ok(Exit::Ok);
+    }
+    let expected = match decision {
+        ApprovalDecision::Approve => TaskState::Succeeded,
+        ApprovalDecision::Reject => TaskState::Failed,
+    };
+    watch::task_after(client, args.task_id, Some(task.version), expected, args.polling, json, out)
+}
+
+fn verb(decision: ApprovalDecision) -> &'static str {
+    match decision {
+        ApprovalDecision::Approve => "approving",
+        ApprovalDecision::Reject => "rejecting",
     }
 }
 
-/// The signal a task awaits now, or why there is none to send.
-fn awaited_signal(task: &TaskView) -> Result<String, Error> {
+/// The signal a task awaits now, or why there is no wait to decide.
+fn awaited_signal(task: &TaskView, decision: ApprovalDecision) -> Result<String, Error> {
     if let Some(signal) = &task.awaiting_signal {
         return Ok(signal.clone());
     }
     let id = task.task_id;
     if task.state.is_final() {
-        return Err(Error::Conflict(format!("task {id} is already {}; nothing to approve", task.state)));
+        return Err(Error::Conflict(format!("task {id} is already {}; nothing to {decision}", task.state)));
     }
     Err(Error::Usage(format!(
-        "task {id} is {} and awaits no signal now; to send one ahead of its wait, name it: \
-         fenceline approve {id} --signal NAME",
+        "task {id} is {} and awaits no signal now; to decide a wait ahead of it, name it: \
+         fenceline {decision} {id} --signal NAME --as NAME",
         task.state
     )))
 }
@@ -343,14 +388,14 @@ mod tests {
             }))
             .expect("a task view")
         };
-        let awaited = awaited_signal(&task("awaiting_approval", Some("refund_approved")));
+        let awaited = awaited_signal(&task("awaiting_approval", Some("refund_approved")), ApprovalDecision::Approve);
         assert_eq!(awaited.expect("awaited"), "refund_approved");
-        let running = awaited_signal(&task("running", None)).expect_err("awaits none");
+        let running = awaited_signal(&task("running", None), ApprovalDecision::Approve).expect_err("awaits none");
         assert_eq!(running.exit(), Exit::Usage);
         assert!(running.to_string().contains("awaits no signal now"), "{running}");
-        let finished = awaited_signal(&task("succeeded", None)).expect_err("finished");
+        let finished = awaited_signal(&task("succeeded", None), ApprovalDecision::Reject).expect_err("finished");
         assert_eq!(finished.exit(), Exit::Conflict);
-        assert!(finished.to_string().contains("is already succeeded; nothing to approve"), "{finished}");
+        assert!(finished.to_string().contains("is already succeeded; nothing to reject"), "{finished}");
     }
 
     #[test]

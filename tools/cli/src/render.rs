@@ -37,6 +37,160 @@ pub struct TaskView {
     /// Single reads of a task in `awaiting_approval`: the signal its step waits for.
     #[serde(default)]
     pub awaiting_signal: Option<String>,
+    /// Single reads: the input the task was submitted with.
+    #[serde(default)]
+    pub input: Option<serde_json::Value>,
+    /// Single reads: what each finished step produced.
+    #[serde(default)]
+    pub steps: Option<Vec<StepOutput>>,
+    /// Single reads of a task in `awaiting_approval`: the card of its wait.
+    #[serde(default)]
+    pub approval: Option<ApprovalCard>,
+    /// Single reads: the decisions people made about its waits.
+    #[serde(default)]
+    pub decisions: Option<Vec<DecisionView>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StepOutput {
+    pub step: String,
+    pub generation: i32,
+    pub output: Option<serde_json::Value>,
+    #[serde(default)]
+    pub artifact_uri: Option<String>,
+    pub output_ref: String,
+    pub sha256: String,
+    pub checkpointed_at: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct NextStep {
+    pub step: String,
+    pub provider: String,
+    pub operation: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ApprovalCard {
+    pub step: String,
+    pub signal: String,
+    pub generation: i32,
+    pub digest: String,
+    pub rests_on: Vec<StepOutput>,
+    pub then: Vec<NextStep>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct DecisionView {
+    pub step: String,
+    pub generation: i32,
+    pub signal: String,
+    pub decision: String,
+    pub decided_by: String,
+    pub token_identity: String,
+    pub note: Option<String>,
+    pub digest: Option<String>,
+    pub rests_on: serde_json::Value,
+    pub decided_at: String,
+}
+
+/// The most bytes of one value `get` shows unless asked for all (`--full`).
+pub const SHOWN_BYTES: usize = 4096;
+
+/// A JSON value as a person reads it: indented, every control character escaped
+/// (nothing from a task's input or a provider's output can move the cursor or
+/// colour the terminal), cut at `limit` bytes with how much was left out.
+pub fn json_shown(value: &serde_json::Value, limit: Option<usize>) -> String {
+    let pretty = serde_json::to_string_pretty(value).unwrap_or_default();
+    let mut escaped = String::with_capacity(pretty.len());
+    for c in pretty.chars() {
+        if c.is_control() && c != '\n' {
+            escaped.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            escaped.push(c);
+        }
+    }
+    match limit {
+        Some(limit) if escaped.len() > limit => {
+            let mut cut = limit;
+            while !escaped.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let left = escaped.len() - cut;
+            format!("{}\n… {left} more bytes (--full shows all)", &escaped[..cut])
+        }
+        _ => escaped,
+    }
+}
+
+fn indented(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
+}
+
+/// One step's output: the artifact's link for a file result, else the value.
+fn step_output(out: &mut dyn Write, o: &StepOutput, limit: Option<usize>) -> Result<(), Error> {
+    writeln!(out, "  {} (generation {}, {}):", o.step, o.generation, o.checkpointed_at)?;
+    match (&o.artifact_uri, &o.output) {
+        (Some(uri), _) => writeln!(out, "    artifact {uri} (sha256 {})", o.sha256)?,
+        (None, Some(value)) => writeln!(out, "{}", indented(&json_shown(value, limit)))?,
+        (None, None) => {
+            writeln!(out, "    not shown (too large to travel); at {} (sha256 {})", o.output_ref, o.sha256)?
+        }
+    }
+    Ok(())
+}
+
+/// What a task was given, what its steps produced, the card of the wait it is
+/// at and the decisions made about its waits; each value cut at `limit` bytes.
+pub fn decided_on(out: &mut dyn Write, task: &TaskView, limit: Option<usize>) -> Result<(), Error> {
+    if let Some(input) = &task.input {
+        writeln!(out, "\ninput:\n{}", indented(&json_shown(input, limit)))?;
+    }
+    if let Some(steps) = task.steps.as_ref().filter(|s| !s.is_empty()) {
+        writeln!(out, "\nstep outputs:")?;
+        for o in steps {
+            step_output(out, o, limit)?;
+        }
+    }
+    if let Some(card) = &task.approval {
+        writeln!(out, "\napproval of step {} (generation {}), signal {}:", card.step, card.generation, card.signal)?;
+        if card.then.is_empty() {
+            writeln!(out, "  lets the task go on; no paid step follows before the next approval")?;
+        }
+        for next in &card.then {
+            writeln!(out, "  lets run: {} at {} ({})", next.step, next.provider, next.operation)?;
+        }
+        if card.rests_on.is_empty() {
+            writeln!(out, "  rests on: no earlier output")?;
+        }
+        for o in &card.rests_on {
+            write!(out, "  rests on")?;
+            step_output(out, o, limit)?;
+        }
+        writeln!(out, "  digest {}", card.digest)?;
+        writeln!(
+            out,
+            "  decide: fenceline approve|reject {} --as NAME [--note TEXT] --digest {}",
+            task.task_id, card.digest
+        )?;
+    }
+    if let Some(decisions) = task.decisions.as_ref().filter(|d| !d.is_empty()) {
+        writeln!(out, "\ndecisions:")?;
+        for d in decisions {
+            let verb = if d.decision == "reject" { "rejected" } else { "approved" };
+            writeln!(
+                out,
+                "  {}  step {} (generation {}) {verb} by {} [{}]",
+                d.decided_at, d.step, d.generation, d.decided_by, d.token_identity
+            )?;
+            if let Some(note) = &d.note {
+                writeln!(out, "    note: {}", json_shown(&serde_json::Value::String(note.clone()), limit))?;
+            }
+            writeln!(out, "    made on (digest {}):", d.digest.as_deref().unwrap_or("none named"))?;
+            writeln!(out, "{}", indented(&indented(&json_shown(&d.rests_on, limit))))?;
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -266,9 +420,14 @@ pub fn next_step(task: &TaskView) -> Option<String> {
     let id = task.task_id;
     match task.state {
         TaskState::AwaitingApproval => Some(match &task.awaiting_signal {
-            Some(signal) => format!("approve it: fenceline approve {id} --signal {signal}"),
+            Some(signal) => format!(
+                "read what it rests on with `fenceline get {id}`, then decide: \
+                 fenceline approve|reject {id} --signal {signal} --as NAME"
+            ),
             // A listing does not say which signal; `approve` reads it from the task.
-            None => format!("approve it: fenceline approve {id}"),
+            None => format!(
+                "read what it rests on with `fenceline get {id}`, then decide: fenceline approve|reject {id} --as NAME"
+            ),
         }),
         TaskState::OutcomeUnknown | TaskState::NeedsHuman => {
             let case = task.case_id.as_deref().or(task.case.as_ref().map(|c| c.case_id.as_str()));
@@ -326,13 +485,40 @@ mod tests {
         sample["awaiting_signal"] = "refund_approved".into();
         let task = view(sample.clone());
         let hint = next_step(&task).expect("a hint");
-        assert!(hint.ends_with(&format!("fenceline approve {} --signal refund_approved", task.task_id)), "{hint}");
+        assert!(hint.ends_with(&format!("{} --signal refund_approved --as NAME", task.task_id)), "{hint}");
         let mut out = Vec::new();
         super::task(&mut out, &task).expect("written");
         assert!(String::from_utf8(out).expect("utf-8").contains("refund_approved"), "shown by get");
         sample.as_object_mut().expect("object").remove("awaiting_signal");
         let hint = next_step(&view(sample)).expect("a hint");
-        assert!(hint.ends_with(&format!("fenceline approve {}", task.task_id)), "{hint}");
+        assert!(hint.ends_with(&format!("fenceline approve|reject {} --as NAME", task.task_id)), "{hint}");
+    }
+
+    #[test]
+    fn what_a_person_decides_on_is_shown_escaped_and_bounded() {
+        let mut sample = sample();
+        sample["state"] = "awaiting_approval".into();
+        sample["input"] = serde_json::json!({"ticket": "T-1\u{1b}[31mred", "amount": 12});
+        sample["steps"] = serde_json::json!([
+            {"step": "draft", "generation": 0, "output": {"text": "x".repeat(10_000)}, "output_ref": "r",
+             "sha256": "ab", "checkpointed_at": "2026-12-01T12:00:00.123Z"},
+            {"step": "render", "generation": 0, "output": {"uri": "https://f/a.png", "sha256": "cd", "size_bytes": 3},
+             "artifact_uri": "https://f/a.png", "output_ref": "r2", "sha256": "cd",
+             "checkpointed_at": "2026-12-01T12:00:01Z"}
+        ]);
+        sample["approval"] = serde_json::json!({"step": "approve", "signal": "refund_approved", "generation": 0,
+            "digest": "d1", "rests_on": [], "then": [{"step": "refund", "provider": "payments", "operation": "refund"}]});
+        let task = view(sample);
+        let mut out = Vec::new();
+        decided_on(&mut out, &task, Some(SHOWN_BYTES)).expect("written");
+        let shown = String::from_utf8(out).expect("utf-8");
+        assert!(!shown.contains('\u{1b}') && shown.contains("\\u001b[31mred"), "escaped: {shown}");
+        assert!(shown.contains("more bytes (--full shows all)") && shown.len() < 6_000, "bounded");
+        assert!(shown.contains("artifact https://f/a.png"), "{shown}");
+        assert!(shown.contains("lets run: refund at payments (refund)") && shown.contains("--digest d1"), "{shown}");
+        let mut out = Vec::new();
+        decided_on(&mut out, &task, None).expect("written");
+        assert!(String::from_utf8(out).expect("utf-8").contains(&"x".repeat(10_000)), "--full shows all");
     }
 
     #[test]

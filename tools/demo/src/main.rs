@@ -339,11 +339,12 @@ async fn main() -> anyhow::Result<()> {
         if !approved && waiting == refunds.len() {
             approved = true;
             for id in &refunds {
+                // A person's decision about the wait the refund is at, on record with the name and a note.
                 let (status, _) = demo.api(
                     "POST",
-                    &format!("/v1/tasks/{id}/signals/refund_approved"),
-                    Some(&format!("approve-{id}")),
-                    Some(json!({"approved_by": "support lead"})),
+                    &format!("/v1/tasks/{id}/approve"),
+                    None,
+                    Some(json!({"decided_by": "support lead", "note": "refund checked against the ticket"})),
                 )?;
                 println!("  >> refund {id} approved by a person ({status})");
             }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use fenceline_config::catalog::{Catalog, StepSpec};
+use fenceline_config::dialect::InputField;
 use fenceline_domain::ids::TaskId;
 
 use crate::problem::ApiError;
@@ -21,6 +22,16 @@ pub struct KindCatalog {
     approvals: Option<HashMap<String, Vec<Approval>>>,
     /// Every kind's steps in order, as the catalogue declares them.
     steps: HashMap<String, Vec<StepSpec>>,
+    /// Every kind's input fields that its providers' request templates read.
+    fills: HashMap<String, Vec<Fill>>,
+}
+
+/// An input field a step's request is built from.
+#[derive(Debug, Clone)]
+struct Fill {
+    step: String,
+    provider: String,
+    field: InputField,
 }
 
 /// A step after an approval: what the approval lets happen next.
@@ -66,7 +77,7 @@ impl KindCatalog {
                 schemas.insert(kind.clone(), validator);
             }
         }
-        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None, steps: HashMap::new() })
+        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None, steps: HashMap::new(), fills: HashMap::new() })
     }
 
     /// Takes from the catalogue each kind's approval steps and the signals they wait
@@ -85,6 +96,22 @@ impl KindCatalog {
             .collect();
         self.approvals = Some(approvals);
         self.steps = catalog.kinds.iter().map(|(kind, spec)| (kind.clone(), spec.steps.clone())).collect();
+        self.fills = catalog
+            .kinds
+            .iter()
+            .map(|(kind, spec)| {
+                let fills = spec.steps.iter().flat_map(|step| {
+                    let provider = step.call().map(|(provider, _)| provider);
+                    let dialect = provider.and_then(|p| catalog.providers.get(p)).and_then(|p| p.dialect.as_ref());
+                    dialect.map(|d| d.input_fields()).unwrap_or_default().into_iter().map(move |field| Fill {
+                        step: step.name.clone(),
+                        provider: provider.unwrap_or_default().to_owned(),
+                        field,
+                    })
+                });
+                (kind.clone(), fills.collect())
+            })
+            .collect();
         self
     }
 
@@ -175,6 +202,24 @@ impl KindCatalog {
             let at = if at.is_empty() { "/".to_owned() } else { at };
             return Err(ApiError::InputInvalid(format!("input at {at}: {error}")));
         }
+        for fill in self.fills.get(kind).map(Vec::as_slice).unwrap_or_default() {
+            let name = format!("input.{}", fill.field.path.join("."));
+            let why = |what: &str| {
+                ApiError::InputInvalid(format!(
+                    "{name}: {what}: step `{}` calls provider `{}`, whose {} is built from it",
+                    fill.step, fill.provider, fill.field.site
+                ))
+            };
+            let value = fill.field.path.iter().try_fold(input, |value, key| value.get(key.as_str()));
+            match value {
+                None => return Err(why("required")),
+                Some(serde_json::Value::Null) => return Err(why("must not be null")),
+                Some(serde_json::Value::Object(_)) if fill.field.as_text => {
+                    return Err(why("must be a string, a number or a boolean, not an object"));
+                }
+                Some(_) => {}
+            }
+        }
         Ok(())
     }
 }
@@ -234,6 +279,36 @@ mod tests {
         assert!(kinds.check_signal(task, "video.make", "approve").is_err(), "an undeclared kind runs nowhere");
         assert_eq!(kinds.signal_awaited_at("ticket.triage", "approve"), Some("refund_approved"));
         assert_eq!(kinds.signal_awaited_at("ticket.triage", "refund"), None, "a call step awaits nothing");
+    }
+
+    #[test]
+    fn an_input_that_cannot_fill_its_providers_request_is_refused_naming_the_field() {
+        let catalog = Catalog::parse(
+            r#"{"providers": {"stripe": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 1,
+                                         "rate_per_second": 1, "burst": 1,
+                                         "dialect": {"request": {"path": "/v1/refunds",
+                                                                 "form": {"payment_intent": "{{ input.payment_intent }}",
+                                                                          "amount": "{{ input.refund.amount }}"}},
+                                                     "answer": {"result": ""}}}},
+                "kinds": {"refund.issue": {"steps": [{"name": "refund", "provider": "stripe"}],
+                                           "attempt_budget_ms": 5000}}}"#,
+        )
+        .expect("catalogue");
+        let kinds = KindCatalog::load(&["refund.issue".into()], None).expect("no schemas").with_signals_from(&catalog);
+        let check = |input| kinds.check("refund.issue", &input).map_err(|e| e.to_string());
+        assert_eq!(check(json!({"payment_intent": "pi_1", "refund": {"amount": 1500}})), Ok(()));
+        let missing = check(json!({"payment_intent": "pi_1"})).expect_err("no amount");
+        assert!(
+            missing.contains(
+                "input.refund.amount: required: step `refund` calls provider `stripe`, whose \
+                              request.form.amount is built from it"
+            ),
+            "{missing}"
+        );
+        let object = check(json!({"payment_intent": {"id": "pi_1"}, "refund": {"amount": 1}})).expect_err("object");
+        assert!(object.contains("input.payment_intent: must be a string, a number or a boolean"), "{object}");
+        let null = check(json!({"payment_intent": null, "refund": {"amount": 1}})).expect_err("null");
+        assert!(null.contains("input.payment_intent: must not be null"), "{null}");
     }
 
     #[test]

@@ -123,7 +123,7 @@ impl ApiError {
             ApiError::ApprovalChanged(_) => "What the approval rests on changed",
             ApiError::AlreadyDecided(_) => "The wait was already decided",
             ApiError::UnknownSignal(_) => "The task never waits for this signal",
-            ApiError::InputInvalid(_) => "Input does not match its kind's schema",
+            ApiError::InputInvalid(_) => "Input does not fit its kind (its schema, or a request built from it)",
             ApiError::PayloadTooLarge(_) => "Payload too large",
             ApiError::TooManyRequests { .. } => "Too many requests",
             ApiError::Overloaded => "Overloaded",

@@ -199,6 +199,18 @@ fn default_true() -> bool {
     true
 }
 
+/// A field of the task's input that a request template reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputField {
+    /// Its path under `input` (`["messages"]` for `input.messages`).
+    pub path: Vec<String>,
+    /// Read as text (into the path, a header or a form field), where only a
+    /// string, a number or a boolean can stand.
+    pub as_text: bool,
+    /// The first template that reads it (`request.form.amount`).
+    pub site: String,
+}
+
 /// Where in a dialect a template sits, for messages and for template names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TemplateSite {
@@ -218,6 +230,30 @@ impl DialectSpec {
             sites.push(site(format!("request.form.{name}"), t));
         }
         sites
+    }
+
+    /// The fields of the task's input the request's templates read, each with the
+    /// first template that reads it: what a task of a kind calling this provider
+    /// must carry for its request to be built.
+    pub fn input_fields(&self) -> Vec<InputField> {
+        let env = template_environment();
+        let mut fields: Vec<InputField> = Vec::new();
+        for site in self.request_templates() {
+            let Ok(template) = env.template_from_str(&site.source) else { continue };
+            let mut read: Vec<String> = template.undeclared_variables(true).into_iter().collect();
+            read.sort();
+            for name in read {
+                let Some(rest) = name.strip_prefix("input.") else { continue };
+                let path: Vec<String> = rest.split('.').map(str::to_owned).collect();
+                // The body's values go through `tojson`; elsewhere a value is text.
+                let as_text = site.field != "request.body";
+                match fields.iter_mut().find(|f| f.path == path) {
+                    Some(known) => known.as_text |= as_text,
+                    None => fields.push(InputField { path, as_text, site: site.field.clone() }),
+                }
+            }
+        }
+        fields
     }
 
     /// Every JSON pointer, named by its field.
@@ -389,4 +425,44 @@ pub fn check(
         return refuse("answer.statuses", format!("done and accepted statuses are 2xx, not {status}"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_input_fields_a_request_reads_are_named_with_the_template_that_reads_them() {
+        let dialect: DialectSpec = serde_json::from_value(serde_json::json!({
+            "request": {
+                "path": "/v1/accounts/{{ input.account.id }}/refunds",
+                "headers": {"X-Ticket": "{{ input.ticket }}"},
+                "form": {"amount": "{{ input.amount }}", "note": "{{ steps.draft.content }}",
+                         "lines": "{% for line in input.lines %}{{ line }}{% endfor %}"}
+            },
+            "answer": {"result": ""}
+        }))
+        .expect("a dialect");
+        let fields = dialect.input_fields();
+        let named: Vec<(String, bool, &str)> =
+            fields.iter().map(|f| (f.path.join("."), f.as_text, f.site.as_str())).collect();
+        assert_eq!(
+            named,
+            [
+                ("account.id".to_owned(), true, "request.path"),
+                ("ticket".to_owned(), true, "request.headers.X-Ticket"),
+                ("amount".to_owned(), true, "request.form.amount"),
+                ("lines".to_owned(), true, "request.form.lines"),
+            ]
+        );
+        let body: DialectSpec = serde_json::from_value(serde_json::json!({
+            "request": {"path": "/v1/messages", "body": "{\"messages\": {{ input.messages | tojson }}}"},
+            "answer": {"result": ""}
+        }))
+        .expect("a dialect");
+        assert_eq!(
+            body.input_fields(),
+            [InputField { path: vec!["messages".to_owned()], as_text: false, site: "request.body".to_owned() }]
+        );
+    }
 }

@@ -156,7 +156,7 @@ async fn stripe_a_resend_while_the_first_request_runs_is_answered_409_and_waited
     system.set_provider_field("stripe", "call_timeout_ms", json!(1_500));
     let stripe = system.provider("stripe");
     stripe.rule(json!({"conflict_while_running": true})).await;
-    stripe.rule(json!({"latency_ms": 5_000, "times": 1})).await;
+    stripe.rule(json!({"latency_ms": 15_000, "times": 1})).await;
     system.spawn_all(None).await;
     let task = system.submit("acme", "vendor.call", refund_input()).await;
 
@@ -206,4 +206,41 @@ async fn twilio_a_number_the_vendor_refuses_fails_the_task_and_costs_nothing() {
     let (_, reason) = system.state(task).await.expect("the task");
     assert!(reason.as_deref().is_some_and(|r| r.contains("rejected")), "{reason:?}");
     assert_eq!(settled(&system, "twilio").await, (1, 0), "refused, not sent again, not charged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_that_cannot_fill_the_vendors_request_is_refused_at_submission_and_nothing_is_sent() {
+    let caps = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = vendor_system("stripe-refunds.json", "stripe", caps, "", "Bearer sk_test_fenceline").await;
+    system.env.push(("FENCELINE_INTAKE_KINDS", "vendor.call".into()));
+    system.spawn("intake", "intake", &[]).await;
+    system.spawn_all(None).await;
+    let token = system.token("acme").await;
+    let submit = |input: Value| {
+        let url = format!("{}/v1/tasks", system.url_of("intake"));
+        let key = uuid::Uuid::now_v7().to_string();
+        let token = token.clone();
+        async move {
+            fenceline_tests::system::http_with(
+                "POST",
+                url,
+                &[("Authorization", &format!("Bearer {token}")), ("Idempotency-Key", &key)],
+                Some(json!({"kind": "vendor.call", "input": input})),
+            )
+            .await
+            .expect("intake answers")
+        }
+    };
+
+    let (status, problem) = submit(json!({"payment_intent": "pi_1GszsK2eZvKYlo2CfhZyoZLp"})).await;
+    assert_eq!((status, problem["type"].as_str()), (422, Some("/problems/input-invalid")), "{problem}");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("input.amount: required") && detail.contains("request.form.amount"), "{problem}");
+    let (status, problem) = submit(json!({"payment_intent": {"id": "pi_1"}, "amount": 1500})).await;
+    assert_eq!(status, 422, "an object cannot be a form field: {problem}");
+    let (status, accepted) = submit(refund_input()).await;
+    assert_eq!(status, 202, "{accepted}");
+    let task: TaskId = accepted["task_id"].as_str().and_then(|id| id.parse().ok()).expect("a task id");
+    assert_eq!(ends(&system, task).await, "succeeded");
+    assert_eq!(settled(&system, "stripe").await, (1, 1), "only the task that could be built was sent");
 }

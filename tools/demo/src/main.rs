@@ -360,7 +360,61 @@ async fn main() -> anyhow::Result<()> {
     }
 
     report(&demo, &before, clock.elapsed())?;
+    play_dialects(&demo).await?;
     decide_at_the_dashboard(&demo, &notify)
+}
+
+/// The paid APIs the stack's catalogue reaches through the dialects Fenceline ships
+/// (deploy/dialects; `deploy/local/stack` names each `demo.<provider>`, against the
+/// fake provider speaking that vendor's API), with an input for one task each.
+fn dialect_tasks() -> [(&'static str, Value); 5] {
+    let ask = json!([{"role": "user", "content": "Draft one line of apology for a parcel that is late."}]);
+    [
+        ("openai", json!({"model": "gpt-4o-mini", "messages": ask})),
+        ("anthropic", json!({"model": "claude-sonnet-4-5", "max_tokens": 256, "messages": ask})),
+        (
+            "replicate",
+            json!({"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
+                             "input": {"prompt": "a desk lamp on a white table"}}),
+        ),
+        ("stripe", json!({"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa", "amount": 2500})),
+        ("twilio", json!({"to": "+15550100", "from": "+15550199", "body": "Your refund is on its way."})),
+    ]
+}
+
+/// One task through each shipped dialect: its final state and what the API answered.
+async fn play_dialects(demo: &Demo) -> anyhow::Result<()> {
+    println!(
+        "
+One task through each paid API's dialect (deploy/dialects), against the fake speaking it:\n"
+    );
+    let mut ids = Vec::new();
+    for (provider, input) in dialect_tasks() {
+        let body = json!({"kind": format!("demo.{provider}"), "input": input});
+        let key = format!("dialect-{provider}-{}", demo.run);
+        let (status, answer) = demo.api("POST", "/v1/tasks", Some(&key), Some(body))?;
+        if status != 202 {
+            bail!("submitting a task of demo.{provider} answered {status}: {answer}");
+        }
+        ids.push((provider, answer["task_id"].as_str().unwrap_or_default().to_owned()));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (provider, id) in ids {
+        let task = loop {
+            let (_, task) = demo.api("GET", &format!("/v1/tasks/{id}"), None, None)?;
+            if SETTLED.contains(&task["state"].as_str().unwrap_or_default()) || Instant::now() > deadline {
+                break task;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let output = task["steps"].as_array().and_then(|s| s.last()).map(|s| s["output"].to_string());
+        let mut shown = output.unwrap_or_else(|| "(no output)".to_owned());
+        if shown.chars().count() > 90 {
+            shown = format!("{}…", shown.chars().take(90).collect::<String>());
+        }
+        println!("  {provider:<10} {:<16} {shown}", task["state"].as_str().unwrap_or("?"));
+    }
+    Ok(())
 }
 
 /// The fake providers of the local stack.

@@ -138,3 +138,53 @@ async fn without_a_policy_an_ambiguous_call_waits_for_a_person_after_one_charge(
     assert_eq!((img.charges().await, img.calls().await.len()), (1, 1), "nothing is sent again without a policy");
     assert_eq!(resends_counted(&system).await, 0);
 }
+
+/// After the policy sent `classify` again, the task runs as generation 1: the
+/// approval card intake shows names that generation, so the person's decision
+/// answers the wait the scheduler holds, and the refund is paid once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_after_a_policys_resend_is_bound_to_the_generation_that_runs() {
+    let mut system = System::new(&[("llm", Caps::default()), ("payments", Caps::default())]).await;
+    system.set_provider_field("llm", "price_per_call_minor", json!(10));
+    system.set_kinds(json!({"ticket.triage": {"steps": [
+        {"name": "classify", "provider": "llm", "on_unknown": two_extra_charges()},
+        {"name": "draft", "provider": "llm"},
+        {"name": "approve", "approval_signal": "refund_approved"},
+        {"name": "refund", "provider": "payments"}
+    ], "max_attempts": 4, "attempt_budget_ms": 60_000}}));
+    system.spawn("intake", "intake", &[]).await;
+    let token = system.token("acme").await;
+    system.spawn_all(None).await;
+    system.provider("llm").rule(json!({"status_after_work": 504, "bare": true, "times": 1})).await;
+    let (intake, submit_token) = (system.url_of("intake"), token.clone());
+    let body = json!({"kind": "ticket.triage", "input": {"ticket": "T-1"}});
+    let submitted =
+        tokio::task::spawn_blocking(move || submit_over_api(&api_agent(), &intake, &submit_token, "policy-T-1", &body))
+            .await
+            .expect("the submission")
+            .expect("intake answered");
+    assert_eq!(submitted.status, 202, "{:?}", submitted.body);
+    let task: TaskId = submitted.task_id().and_then(|id| id.parse().ok()).expect("a task id");
+
+    system.wait_state(task, &["awaiting_approval", "outcome_unknown", "needs_human", "failed"], LONG).await;
+    let url = format!("{}/v1/tasks/{task}", system.url_of("intake"));
+    let deadline = tokio::time::Instant::now() + LONG;
+    let card = loop {
+        let (_, shown) = http_as("GET", url.clone(), &token, None).await.expect("read the task");
+        let card = &shown["approval"];
+        if shown["state"] == "awaiting_approval" && card["rests_on"].as_array().is_some_and(|r| r.len() == 2) {
+            break card.clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "intake never showed the card: {shown:#}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(card["generation"], 1, "{card:#}");
+    let approval = json!({"decided_by": "Ana Lima", "digest": card["digest"]});
+    let (status, answer) = http_as("POST", format!("{url}/approve"), &token, Some(approval)).await.expect("approve");
+    assert_eq!(status, 202, "{answer}");
+
+    system.wait_state(task, &["succeeded", "failed", "needs_human", "outcome_unknown"], LONG).await;
+    assert_eq!(system.state(task).await.map(|(state, _)| state).as_deref(), Some("succeeded"));
+    assert_eq!(system.provider("llm").charges().await, 3, "classify twice (once under the policy) and draft once");
+    assert_eq!(system.provider("payments").charges().await, 1, "the refund once");
+}

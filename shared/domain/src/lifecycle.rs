@@ -705,19 +705,16 @@ impl Task {
                     return self.finish(TaskState::Cancelled, &format!("cancelled; {reason}"));
                 }
                 match self.standing_decision(now, p) {
-                    Some((step, charge, cost_minor, policy)) => {
+                    Some((step, policy, OnUnknown::SendAgain { charge, cost_minor })) => {
                         // Exactly what a person's `retry_as_new` does, decided in advance.
                         self.sent_again.insert(step.clone(), charge);
                         self.resolved(ResolutionAction::RetryAsNew, None, now);
                         self.reason = Some(standing::evidence(&step, &policy, charge, cost_minor));
                     }
-                    None => {
-                        let why = self.policy_spent(now, p);
-                        self.finish(
-                            TaskState::OutcomeUnknown,
-                            &why.map_or(reason.to_owned(), |w| format!("{reason}; {w}")),
-                        );
+                    Some((_, _, OnUnknown::AskAPerson { why: Some(why) })) => {
+                        self.finish(TaskState::OutcomeUnknown, &format!("{reason}; {why}"));
                     }
+                    _ => self.finish(TaskState::OutcomeUnknown, reason),
                 }
             }
             RecoveryDecision::NeedsHuman => {
@@ -727,35 +724,23 @@ impl Task {
         }
     }
 
-    /// The catalogue's standing decision for the step in doubt, when it sends a new
-    /// operation: the step, the extra charge it makes, what the policy will have
-    /// spent, and the policy. Never after the deadline (the new operation could
-    /// not be sent) and never at a step without a policy.
-    fn standing_decision(&self, now: Micros, p: &Policy) -> Option<(String, u32, u64, SendAgain)> {
+    /// The catalogue's standing decision for the step in doubt, with the step and
+    /// its policy; `None` at a step without one. Never a new operation after the
+    /// deadline: it could not be sent, and the task would end failed after a call
+    /// that may have been charged.
+    fn standing_decision(&self, now: Micros, p: &Policy) -> Option<(String, SendAgain, OnUnknown)> {
         let step = self.step.as_deref()?;
-        let policy = p.send_again_at(step)?;
-        if self.deadline.is_some_and(|deadline| now >= deadline) {
-            return None;
-        }
-        match standing::on_unknown(step, Some(policy), self.sent_again.get(step).copied().unwrap_or(0)) {
-            OnUnknown::SendAgain { charge, cost_minor } => Some((step.to_owned(), charge, cost_minor, *policy)),
-            OnUnknown::AskAPerson { .. } => None,
-        }
-    }
-
-    /// Why a step with a policy still asks a person: its limits are spent, or the deadline passed.
-    fn policy_spent(&self, now: Micros, p: &Policy) -> Option<String> {
-        let step = self.step.as_deref()?;
-        let policy = p.send_again_at(step)?;
-        if self.deadline.is_some_and(|deadline| now >= deadline) {
-            return Some(format!(
-                "the task's deadline has passed, so the catalogue's policy for step `{step}` sent nothing again"
-            ));
-        }
-        match standing::on_unknown(step, Some(policy), self.sent_again.get(step).copied().unwrap_or(0)) {
-            OnUnknown::AskAPerson { why } => why,
-            OnUnknown::SendAgain { .. } => None,
-        }
+        let policy = *p.send_again_at(step)?;
+        let decision = if self.deadline.is_some_and(|deadline| now >= deadline) {
+            OnUnknown::AskAPerson {
+                why: Some(format!(
+                    "the task's deadline has passed, so the catalogue's policy for step `{step}` sent nothing again"
+                )),
+            }
+        } else {
+            standing::on_unknown(step, Some(&policy), self.sent_again.get(step).copied().unwrap_or(0))
+        };
+        Some((step.to_owned(), policy, decision))
     }
 
     fn cancel(&mut self, effects: &mut Vec<Effect>) {

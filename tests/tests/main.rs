@@ -20,6 +20,7 @@ mod kafka;
 mod leases;
 mod lifecycle;
 mod observability;
+mod policy;
 mod postgres_tls;
 mod provider_faults;
 mod recovery;

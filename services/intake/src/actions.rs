@@ -141,8 +141,8 @@ pub fn refusal_in_payload(payload: &serde_json::Value) -> Option<String> {
 }
 
 /// The identity of a signal sent without an `Idempotency-Key`: the payload's
-/// sha256, scoped to the task's generation (the `retry_as_new` resolutions before
-/// it), so the same approval sent twice is one signal while a new generation, which
+/// sha256, scoped to the task's generation (as [`crate::decisions::generation`]
+/// counts it), so the same approval sent twice is one signal while a new generation, which
 /// runs its approval steps again, takes the same approval anew.
 ///
 /// Do not change: it is the dedup identity of stored signals, here and at the scheduler.
@@ -181,12 +181,8 @@ pub async fn signal(
     let signal_id = match key {
         Some(key) => key.to_owned(),
         None => {
-            let generation: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = 'retry_as_new'")
-                    .bind(task_id.as_uuid())
-                    .fetch_one(&mut *tx)
-                    .await?;
-            payload_signal_id(payload, generation)
+            let generation = crate::decisions::generation(&mut tx, task_id).await?;
+            payload_signal_id(payload, i64::from(generation))
         }
     };
     let fresh = sqlx::query(

@@ -247,14 +247,21 @@ pub async fn recorded(conn: &mut PgConnection, task_id: TaskId) -> Result<Vec<De
     .await
 }
 
-/// The task's generation as intake knows it: the `retry_as_new` resolutions it recorded.
+/// The task's generation as intake knows it: the `retry_as_new` resolutions it
+/// recorded, or the newest generation that checkpointed a step, whichever is later.
+/// A catalogue's standing decision starts generations no person resolved
+/// (docs/catalog.md), and the step it sent again checkpoints before any approval
+/// after it waits.
 pub async fn generation(conn: &mut PgConnection, task_id: TaskId) -> Result<i32, sqlx::Error> {
-    let retries: i64 = sqlx::query_scalar("SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = $2")
-        .bind(task_id.as_uuid())
-        .bind(ResolutionAction::RetryAsNew.as_str())
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(i32::try_from(retries).unwrap_or(i32::MAX))
+    let generation: i64 = sqlx::query_scalar(
+        "SELECT greatest((SELECT count(*) FROM resolutions WHERE task_id = $1 AND action = $2), \
+         (SELECT coalesce(max(generation), 0) FROM task_steps WHERE task_id = $1))",
+    )
+    .bind(task_id.as_uuid())
+    .bind(ResolutionAction::RetryAsNew.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(i32::try_from(generation).unwrap_or(i32::MAX))
 }
 
 /// The caller's task as a decision finds it, its row locked.

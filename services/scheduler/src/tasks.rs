@@ -85,6 +85,7 @@ pub fn policy(catalog: &Catalog, kind: &str, settings: &SchedulerSettings) -> Po
             cap: Duration::from_millis(settings.backoff_cap_ms),
         },
         busy_wait: Duration::from_millis(settings.busy_wait_ms),
+        send_again: catalog.send_again(kind),
     }
 }
 
@@ -167,6 +168,7 @@ pub async fn apply(
 ) -> Result<TaskRow, fenceline_bus::Error> {
     let policy = policy(ctx.catalog, &row.kind, ctx.settings);
     let transition = row.lifecycle.apply(input, now, &policy);
+    count_policy_resends(ctx.catalog, row, &transition.task);
     let mut version = row.version;
     for effect in &transition.effects {
         carry_out(tx, ctx, row, &transition.task, effect, now).await?;
@@ -177,6 +179,24 @@ pub async fn apply(
     }
     save(tx, ctx, row.task_id, &row.kind, &transition.task, version).await?;
     Ok(TaskRow { lifecycle: transition.task, version, ..row.clone() })
+}
+
+/// Counts the new operations the catalogue's standing decision sent in this
+/// transition, by provider and step (`fenceline_policy_resends_total`). A batch
+/// that rolls back counts them again when it is applied again: the counter may
+/// run ahead of the extra charges, never behind them.
+fn count_policy_resends(catalog: &Catalog, row: &TaskRow, task: &Task) {
+    for (step, made) in &task.sent_again {
+        let before = row.lifecycle.sent_again.get(step).copied().unwrap_or(0);
+        if *made > before {
+            let provider = catalog
+                .kind(&row.kind)
+                .and_then(|k| k.steps.iter().find(|s| &s.name == step))
+                .and_then(|s| s.call())
+                .map_or("", |(provider, _)| provider);
+            fenceline_telemetry::metrics::global().policy_resent(provider, step, u64::from(made - before));
+        }
+    }
 }
 
 /// Stores the lifecycle; a due time wakes the dispatchers when the transaction commits.

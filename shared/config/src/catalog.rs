@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use fenceline_domain::calls::{ErrorTable, GATEWAY_STATUSES, ProviderCapabilities};
 use fenceline_domain::limits::AdaptivePolicy;
+use fenceline_domain::standing::SendAgain;
 use fenceline_domain::vocabulary::ErrorClass;
 use serde::Deserialize;
 
@@ -69,6 +70,10 @@ pub struct ProviderSpec {
     /// protocol (docs/catalog.md, "Dialects"); absent: the protocol.
     #[serde(default)]
     pub dialect: Option<DialectSpec>,
+    /// What one call to this provider costs, in the currency's minor unit (cents);
+    /// a step's own `price_per_call_minor` overrides it.
+    #[serde(default)]
+    pub price_per_call_minor: Option<i64>,
 }
 
 /// TLS settings of one provider. Paths are read when a service starts; relative
@@ -186,6 +191,32 @@ pub struct StepSpec {
     /// For an approval step: the signal that lets the task continue.
     #[serde(default)]
     pub approval_signal: Option<String>,
+    /// What one call of this step costs, in the currency's minor unit; default its provider's.
+    #[serde(default)]
+    pub price_per_call_minor: Option<i64>,
+    /// A standing decision for a call whose outcome nobody can establish; absent:
+    /// a person decides (docs/catalog.md, "A standing decision for cheap steps").
+    #[serde(default)]
+    pub on_unknown: Option<OnUnknownSpec>,
+}
+
+/// A step's `on_unknown`: what to do, decided in advance, when a call's outcome
+/// cannot be established.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnUnknownSpec {
+    /// Send a new operation, as a person's `retry_as_new` does, within these limits.
+    pub send_again: SendAgainSpec,
+}
+
+/// The limits of `on_unknown.send_again`, per task; both at least 1.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendAgainSpec {
+    /// Extra charges (new operations) the policy may make per task.
+    pub max_extra_charges: i64,
+    /// What those extra charges may cost in all per task, in the currency's minor unit.
+    pub max_extra_cost_minor: i64,
 }
 
 impl StepSpec {
@@ -382,6 +413,9 @@ impl Catalog {
                     }
                 }
             }
+            for step in &spec.steps {
+                check_standing_decision(&catalog, kind, step)?;
+            }
             if spec.slot_provider().is_none() {
                 return Err(Error(format!("kind `{kind}` makes no provider call")));
             }
@@ -419,6 +453,32 @@ impl Catalog {
         sets
     }
 
+    /// The standing decisions of a kind's steps, by step name, each with the price
+    /// of one call (checked at load: only call steps, positive limits, a price).
+    pub fn send_again(&self, kind: &str) -> Vec<(String, SendAgain)> {
+        let Some(spec) = self.kind(kind) else { return Vec::new() };
+        spec.steps
+            .iter()
+            .filter_map(|step| {
+                let limits = step.on_unknown.as_ref()?.send_again;
+                let price = self.price_per_call_minor(step)?;
+                Some((
+                    step.name.clone(),
+                    SendAgain {
+                        max_extra_charges: u32::try_from(limits.max_extra_charges).ok()?,
+                        max_extra_cost_minor: u64::try_from(limits.max_extra_cost_minor).ok()?,
+                        price_per_call_minor: u64::try_from(price).ok()?,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// What one call of `step` costs: its own price, else its provider's.
+    pub fn price_per_call_minor(&self, step: &StepSpec) -> Option<i64> {
+        step.price_per_call_minor.or_else(|| self.provider(step.call()?.0)?.price_per_call_minor)
+    }
+
     pub fn kind(&self, kind: &str) -> Option<&KindSpec> {
         self.kinds.get(kind)
     }
@@ -426,6 +486,59 @@ impl Catalog {
     pub fn provider(&self, provider: &str) -> Option<&ProviderSpec> {
         self.providers.get(provider)
     }
+}
+
+/// Refuses a standing decision that could not work as written: on an approval, a
+/// limit below 1 or beyond range, no price to count the amount by, or an amount
+/// below one call's price (it could never send).
+fn check_standing_decision(catalog: &Catalog, kind: &str, step: &StepSpec) -> Result<(), Error> {
+    let at = |field: &str, why: String| Error(format!("kind `{kind}` step `{}`: {field}: {why}", step.name));
+    if let Some(price) = step.price_per_call_minor {
+        if step.call().is_none() {
+            return Err(at("price_per_call_minor", "an approval step makes no call to price".into()));
+        }
+        if price < 0 {
+            return Err(at("price_per_call_minor", format!("a price cannot be negative, not {price}")));
+        }
+    }
+    let Some(on_unknown) = &step.on_unknown else { return Ok(()) };
+    let Some((provider, _)) = step.call() else {
+        return Err(at("on_unknown", "an approval step makes no call whose outcome could be unknown".into()));
+    };
+    let limits = on_unknown.send_again;
+    if !(1..=i64::from(u32::MAX)).contains(&limits.max_extra_charges) {
+        return Err(at(
+            "on_unknown.send_again.max_extra_charges",
+            format!("must be at least 1, not {}", limits.max_extra_charges),
+        ));
+    }
+    if limits.max_extra_cost_minor < 1 {
+        return Err(at(
+            "on_unknown.send_again.max_extra_cost_minor",
+            format!("must be at least 1, not {}", limits.max_extra_cost_minor),
+        ));
+    }
+    let Some(price) = catalog.price_per_call_minor(step) else {
+        return Err(at(
+            "on_unknown.send_again",
+            format!(
+                "needs a price_per_call_minor on the step or on provider `{provider}` to hold max_extra_cost_minor"
+            ),
+        ));
+    };
+    if price < 0 {
+        return Err(Error(format!("provider `{provider}`: price_per_call_minor cannot be negative, not {price}")));
+    }
+    if price > limits.max_extra_cost_minor {
+        return Err(at(
+            "on_unknown.send_again.max_extra_cost_minor",
+            format!(
+                "{} is less than one call's price ({price}): it could never send again",
+                limits.max_extra_cost_minor
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Where the catalogue file is.
@@ -536,6 +649,81 @@ mod tests {
             let err = Catalog::parse(&text).expect_err(expected).to_string();
             assert!(err.contains(expected), "{err} should mention {expected}");
         }
+    }
+
+    fn with_standing_decision(step: serde_json::Value) -> String {
+        standing_decision_catalogue(step).to_string()
+    }
+
+    fn standing_decision_catalogue(step: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "providers": {"llm": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
+                                  "rate_per_second": 5, "burst": 5, "price_per_call_minor": 10}},
+            "kinds": {"ticket.triage": {"steps": [
+                step,
+                {"name": "approve", "approval_signal": "ok"},
+                {"name": "draft", "provider": "llm"}
+            ], "attempt_budget_ms": 5000}}
+        })
+    }
+
+    #[test]
+    fn a_step_may_carry_a_standing_decision_priced_by_its_provider_or_itself() {
+        let policy = serde_json::json!({"send_again": {"max_extra_charges": 2, "max_extra_cost_minor": 20}});
+        let text =
+            with_standing_decision(serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy}));
+        let catalog = Catalog::parse(&text).expect("valid");
+        let expected = SendAgain { max_extra_charges: 2, max_extra_cost_minor: 20, price_per_call_minor: 10 };
+        assert_eq!(catalog.send_again("ticket.triage"), vec![("classify".to_owned(), expected)]);
+        let own =
+            serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": 4, "on_unknown": policy});
+        let catalog = Catalog::parse(&with_standing_decision(own)).expect("valid");
+        assert_eq!(catalog.send_again("ticket.triage")[0].1.price_per_call_minor, 4);
+        assert!(
+            Catalog::parse(GOOD).expect("valid").send_again("ticket.triage").is_empty(),
+            "absent: a person decides"
+        );
+    }
+
+    #[test]
+    fn a_standing_decision_that_cannot_work_is_refused_naming_kind_step_and_field() {
+        let policy = |charges: i64, cost: i64| serde_json::json!({"send_again": {"max_extra_charges": charges, "max_extra_cost_minor": cost}});
+        let cases = [
+            (
+                serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy(0, 20)}),
+                "kind `ticket.triage` step `classify`: on_unknown.send_again.max_extra_charges: must be at least 1, not 0",
+            ),
+            (
+                serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy(2, -5)}),
+                "kind `ticket.triage` step `classify`: on_unknown.send_again.max_extra_cost_minor: must be at least 1, not -5",
+            ),
+            (
+                serde_json::json!({"name": "classify", "approval_signal": "go", "on_unknown": policy(2, 20)}),
+                "kind `ticket.triage` step `classify`: on_unknown: an approval step makes no call",
+            ),
+            (
+                serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": -1}),
+                "kind `ticket.triage` step `classify`: price_per_call_minor: a price cannot be negative",
+            ),
+            (
+                serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": 30, "on_unknown": policy(2, 20)}),
+                "step `classify`: on_unknown.send_again.max_extra_cost_minor: 20 is less than one call's price (30)",
+            ),
+            (
+                serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": {"send_again": {"max_extra_charges": 2}}}),
+                "max_extra_cost_minor",
+            ),
+        ];
+        for (step, expected) in cases {
+            let err = Catalog::parse(&with_standing_decision(step)).expect_err(expected).to_string();
+            assert!(err.contains(expected), "{err} should mention {expected}");
+        }
+        let mut unpriced = standing_decision_catalogue(
+            serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy(2, 20)}),
+        );
+        unpriced["providers"]["llm"].as_object_mut().map(|llm| llm.remove("price_per_call_minor"));
+        let err = Catalog::parse(&unpriced.to_string()).expect_err("no price").to_string();
+        assert!(err.contains("step `classify`: on_unknown.send_again: needs a price_per_call_minor"), "{err}");
     }
 
     /// A catalogue with an OpenAI-compatible chat provider and a kind that drafts

@@ -8,4 +8,5 @@ pub mod lifecycle;
 pub mod limits;
 pub mod outbox;
 pub mod progress;
+pub mod standing;
 pub mod vocabulary;

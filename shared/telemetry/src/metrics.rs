@@ -30,6 +30,7 @@ pub mod names {
     pub const OUTBOX_FAILED: &str = "fenceline_outbox_failed_deliveries";
     pub const OUTBOX_REFUSED: &str = "fenceline_outbox_refused_rows";
     pub const GRANTS: &str = "fenceline_scheduler_grants";
+    pub const POLICY_RESENDS: &str = "fenceline_policy_resends";
     pub const TIMER_LATENESS: &str = "fenceline_scheduler_timer_lateness_seconds";
     pub const ATTEMPTS: &str = "fenceline_executor_attempts";
     pub const LEASES_TAKEN_OVER: &str = "fenceline_executor_leases_taken_over";
@@ -76,6 +77,13 @@ pub struct ProviderLabels {
     pub provider: String,
 }
 
+/// A step of a kind and the provider it calls (step names are the catalogue's, a bounded set).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StepLabels {
+    pub provider: String,
+    pub step: String,
+}
+
 /// A task state that waits for evidence or a person.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
@@ -114,6 +122,7 @@ pub struct Metrics {
     pub outbox_failed: Gauge,
     pub outbox_refused: Gauge,
     pub grants: Counter,
+    pub policy_resends: Family<StepLabels, Counter>,
     pub timer_lateness: Histogram,
     pub attempts: Family<AttemptLabels, Counter>,
     pub leases_taken_over: Counter,
@@ -145,6 +154,7 @@ impl Metrics {
             outbox_failed: Gauge::default(),
             outbox_refused: Gauge::default(),
             grants: Counter::default(),
+            policy_resends: Family::default(),
             // 1 ms to about 65 s.
             timer_lateness: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             attempts: Family::default(),
@@ -196,6 +206,12 @@ impl Metrics {
         r.register(OUTBOX_REFUSED, "Outbox rows the broker can never take", m.outbox_refused.clone());
         r.register(GRANTS, "Attempts granted by this scheduler", m.grants.clone());
         r.register(
+            POLICY_RESENDS,
+            "New operations sent by a step's standing decision in the catalogue after an outcome nobody could \
+             establish: each may be an extra charge",
+            m.policy_resends.clone(),
+        );
+        r.register(
             TIMER_LATENESS,
             "How long after its due instant a dispatch round acted on a task, in seconds",
             m.timer_lateness.clone(),
@@ -224,6 +240,11 @@ impl Metrics {
             m.http_duration.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Counts new operations a step's standing decision sent.
+    pub fn policy_resent(&self, provider: &str, step: &str, count: u64) {
+        self.policy_resends.get_or_create(&StepLabels { provider: provider.into(), step: step.into() }).inc_by(count);
     }
 
     /// Counts an attempt's end.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 
-use super::{Call, Operation, Rule, Serving, Shared, Target, broken, unix_micros};
+use super::{Arrival, Operation, Rule, Serving, Shared, Target, broken, unix_micros};
 
 /// The operation name chat completions are recorded and matched by.
 pub const OPERATION: &str = "chat.completions";
@@ -74,27 +74,13 @@ pub(crate) async fn chat_completions(req: HttpRequest, shared: web::Data<Shared>
         return chat_error(&Rule::default(), 400, "the body needs `model` and `messages`");
     };
     let input = serde_json::from_slice::<serde_json::Value>(&body).unwrap_or_default();
-    let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let received_at_us = unix_micros();
+    let arrival = Arrival::now(&req, OPERATION);
+    let key = arrival.key.clone();
     let rule = shared.take_rule(Target::Start, OPERATION, key.as_deref(), |_, rule| {
         rule.max_in_flight.is_none() && rule.max_per_second.is_none() && !rule.conflict_while_running
     });
     let record = |outcome: &str, request_id: Option<String>, charged: bool| {
-        let mut state = shared.lock();
-        let seq = state.calls.len() as u64 + 1;
-        state.calls.push(Call {
-            seq,
-            received_at_us,
-            operation: OPERATION.to_owned(),
-            operation_key: key.clone(),
-            input: input.clone(),
-            request_id,
-            charged,
-            outcome: outcome.to_owned(),
-            received_at_ms: u64::try_from(received_at_us / 1_000).unwrap_or(0),
-            traceparent: traceparent.clone(),
-        });
+        shared.record(&arrival, &input, outcome, request_id, charged);
     };
     let latency = rule.latency_ms.map(Duration::from_millis).unwrap_or_default();
     if let Some(status) = rule.status {

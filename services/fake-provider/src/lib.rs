@@ -319,6 +319,28 @@ impl Drop for InFlight {
     }
 }
 
+/// What a request carried when it arrived, for its entry in the call log.
+#[derive(Debug, Clone)]
+struct Arrival {
+    received_at_us: i64,
+    operation: String,
+    key: Option<String>,
+    traceparent: Option<String>,
+}
+
+impl Arrival {
+    /// A request to `operation` arriving now, with its key and trace context.
+    fn now(req: &HttpRequest, operation: &str) -> Self {
+        let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        Arrival {
+            received_at_us: unix_micros(),
+            operation: operation.to_owned(),
+            key: header("Idempotency-Key"),
+            traceparent: header("traceparent"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Shared {
     state: Arc<Mutex<State>>,
@@ -329,6 +351,31 @@ struct Shared {
 }
 
 impl Shared {
+    /// Logs one call: what arrived, the input it carried, and what it came to.
+    fn record(
+        &self,
+        arrival: &Arrival,
+        input: &serde_json::Value,
+        outcome: &str,
+        request_id: Option<String>,
+        charged: bool,
+    ) {
+        let mut state = self.lock();
+        let seq = state.calls.len() as u64 + 1;
+        state.calls.push(Call {
+            seq,
+            received_at_us: arrival.received_at_us,
+            operation: arrival.operation.clone(),
+            operation_key: arrival.key.clone(),
+            input: input.clone(),
+            request_id,
+            charged,
+            outcome: outcome.to_owned(),
+            received_at_ms: u64::try_from(arrival.received_at_us / 1_000).unwrap_or(0),
+            traceparent: arrival.traceparent.clone(),
+        });
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -507,10 +554,8 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
     let Ok(start) = serde_json::from_slice::<StartOperation>(&body) else {
         return problem(400, "body must be {\"operation\": ..., \"input\": ...}");
     };
-    let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let received_at_us = unix_micros();
-    let received_at_ms = u64::try_from(received_at_us / 1_000).unwrap_or(0);
+    let arrival = Arrival::now(&req, &start.operation);
+    let key = arrival.key.clone();
     let arrived = tokio::time::Instant::now();
     // A conflict rule applies only while an operation with this key is running, a
     // limit rule only beyond its limit. A request no limit refused counts against
@@ -542,20 +587,7 @@ async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) ->
     );
     let _in_flight = InFlight::counted(&shared, rule.max_in_flight.is_none() && rule.max_per_second.is_none());
     let record = |outcome: &str, request_id: Option<String>, charged: bool| {
-        let mut state = shared.lock();
-        let seq = state.calls.len() as u64 + 1;
-        state.calls.push(Call {
-            seq,
-            received_at_us,
-            operation: start.operation.clone(),
-            operation_key: key.clone(),
-            input: start.input.clone(),
-            request_id,
-            charged,
-            outcome: outcome.to_owned(),
-            received_at_ms,
-            traceparent: traceparent.clone(),
-        });
+        shared.record(&arrival, &start.input, outcome, request_id, charged);
     };
     if rule.conflict_while_running {
         record("conflict", None, false);

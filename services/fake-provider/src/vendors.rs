@@ -16,7 +16,7 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
-use super::{Call, Operation, Rule, Serving, Shared, Target, broken, misbehave, unix_micros};
+use super::{Arrival, Operation, Rule, Serving, Shared, Target, broken, misbehave, unix_micros};
 
 /// A vendor API the fake speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,24 +292,10 @@ pub(crate) async fn create(
     body: web::Bytes,
 ) -> HttpResponse {
     let operation = vendor.operation();
-    let key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let received_at_us = unix_micros();
+    let arrival = Arrival::now(&req, operation);
+    let key = arrival.key.clone();
     let record = |outcome: &str, input: &Value, request_id: Option<String>, charged: bool| {
-        let mut state = shared.lock();
-        let seq = state.calls.len() as u64 + 1;
-        state.calls.push(Call {
-            seq,
-            received_at_us,
-            operation: operation.to_owned(),
-            operation_key: key.clone(),
-            input: input.clone(),
-            request_id,
-            charged,
-            outcome: outcome.to_owned(),
-            received_at_ms: u64::try_from(received_at_us / 1_000).unwrap_or(0),
-            traceparent: traceparent.clone(),
-        });
+        shared.record(&arrival, input, outcome, request_id, charged);
     };
     let (header, scheme) = vendor.credential();
     let credential = req.headers().get(header).and_then(|v| v.to_str().ok()).unwrap_or_default();

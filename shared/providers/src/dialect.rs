@@ -279,21 +279,9 @@ pub fn reset_duration(value: &str, now: SystemTime) -> Option<Duration> {
     total.is_finite().then(|| Duration::from_secs_f64(total))
 }
 
-/// A JSON value's canonical text: object keys sorted, no whitespace. What
-/// Fenceline hashes an inline result by.
-pub fn canonical_json(value: &Value) -> String {
-    fn sorted(value: &Value) -> Value {
-        match value {
-            Value::Object(map) => {
-                let ordered: BTreeMap<&String, Value> = map.iter().map(|(k, v)| (k, sorted(v))).collect();
-                Value::Object(ordered.into_iter().map(|(k, v)| (k.clone(), v)).collect())
-            }
-            Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
-            other => other.clone(),
-        }
-    }
-    sorted(value).to_string()
-}
+/// A JSON value's canonical text (object keys sorted, no whitespace): what
+/// Fenceline hashes an inline result by, as it digests what a person approved.
+pub use fenceline_domain::approvals::canonical_json;
 
 /// An inline result: the value, its size and sha256 by its canonical text. Above
 /// `limit` bytes, or with text Postgres cannot store (a NUL character), it is

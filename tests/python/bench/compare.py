@@ -35,7 +35,11 @@ def summary(runs: list[dict]) -> dict:
         values = run.get(field)
         if not isinstance(values, dict):
             return None
-        return sum((v[part] if part else v) for v in values.values())
+        parts = [(v.get(part) if part else v) for v in values.values()]
+        # A build from before a figure was counted has no such figure.
+        if any(p is None for p in parts):
+            return None
+        return sum(parts)
 
     out = {
         "throughput_per_s": median([r["throughput_per_s"] for r in runs]),
@@ -47,7 +51,20 @@ def summary(runs: list[dict]) -> dict:
         "row_writes_per_task": median([total(r, "row_writes_per_task") for r in runs]),
         "statements_per_task": median([total(r, "statements_per_task", "calls") for r in runs]),
         "kafka_records_per_task": median([r.get("kafka_records_per_task") for r in runs]),
+        "postgres_round_trips_per_task": median([total(r, "postgres_round_trips_per_task") for r in runs]),
+        "round_trips_without_statement_per_task": median(
+            [total(r, "postgres_round_trips_without_statement_per_task") for r in runs]
+        ),
+        "kafka_records_delivered_per_task": median([r.get("kafka_records_delivered_per_task") for r in runs]),
+        "ctx_switches_per_task_all_processes": median(
+            [total(r, "processes", "voluntary_ctx_switches_per_task") for r in runs]
+        ),
+        "threads_all_processes": median([total(r, "processes", "peak_threads") for r in runs]),
     }
+    # Each process's context switches and threads: a change shows where it moved them.
+    for name in sorted({name for r in runs for name in r.get("processes", {})}):
+        for field, label in (("voluntary_ctx_switches_per_task", "ctx_switches_per_task"), ("peak_threads", "threads")):
+            out[f"{label} {name}"] = median([r["processes"].get(name, {}).get(field) for r in runs])
     for latency in ("submit_answered", "submit_to_provider_call", "submit_to_succeeded"):
         out[f"{latency}_p99_ms"] = median([r["latency_ms"][latency]["p99"] for r in runs])
     return out
@@ -62,14 +79,16 @@ def main() -> None:
             continue
         comparison[kind] = {"baseline": baseline, "current": current}
         print(f"\n{kind}: medians of {len(baseline['runs_throughput_per_s'])} runs each")
-        print(f"  {'figure':<34} {'baseline':>10} {'current':>10} {'ratio':>7}")
-        for figure, was in baseline.items():
-            now = current.get(figure)
+        print(f"  {'figure':<44} {'baseline':>10} {'current':>10} {'ratio':>7}")
+        # Figures only one build counts (a baseline from before they were counted)
+        # are shown without a ratio.
+        for figure in list(baseline) + [f for f in current if f not in baseline]:
+            was, now = baseline.get(figure), current.get(figure)
             if figure.startswith("runs_"):
-                print(f"  {figure:<34} {str(was):>10} {str(now):>10}")
+                print(f"  {figure:<44} {str(was):>10} {str(now):>10}")
                 continue
             ratio = f"{now / was:.3f}" if was and now is not None else ""
-            print(f"  {figure:<34} {str(was):>10} {str(now):>10} {ratio:>7}")
+            print(f"  {figure:<44} {str(was):>10} {str(now):>10} {ratio:>7}")
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1))
 
 

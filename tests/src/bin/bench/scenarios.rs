@@ -230,13 +230,19 @@ impl Bench {
             .system
             .services
             .iter()
-            .map(|(name, proc)| Watched { name: name.clone(), pid: proc.pid(), with_children: false })
+            .map(|(name, proc)| Watched {
+                name: name.clone(),
+                pid: proc.pid(),
+                with_children: false,
+                postgres_client: true,
+            })
             .collect();
         for (name, provider) in &self.system.providers {
             watched.push(Watched {
                 name: format!("fake-provider {name}"),
                 pid: provider.proc.pid(),
                 with_children: false,
+                postgres_client: false,
             });
         }
         watched.extend(probe::infrastructure());
@@ -257,7 +263,7 @@ impl Bench {
         Snapshot {
             at_us: load::unix_us(),
             commits,
-            records: probe::kafka_records(self.system.brokers.clone(), self.system.prefix.clone()).await,
+            kafka: probe::kafka_records(self.system.brokers.clone(), self.system.prefix.clone()).await,
             rows,
             scanned,
         }
@@ -269,7 +275,8 @@ struct Snapshot {
     at_us: i64,
     /// Per service: transactions committed in its database.
     commits: HashMap<&'static str, i64>,
-    records: i64,
+    /// Records written to the system's topics and delivered to its groups.
+    kafka: probe::KafkaRecords,
     /// Per service: rows written in its schema.
     rows: HashMap<&'static str, i64>,
     /// Per service: rows its sequential scans read.
@@ -324,7 +331,7 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     let whole_first = bench.snapshot().await;
     let queries_whole_first = monitor_queries.load(Ordering::Relaxed);
     let stop_sampling = tokio_util::sync::CancellationToken::new();
-    let sampler = tokio::spawn(probe::sample_until(bench.watched(), stop_sampling.clone()));
+    let sampler = tokio::spawn(probe::sample_until(bench.watched(), probe::postgres_port(), stop_sampling.clone()));
     let driving = {
         let (target, pace) = (target.clone(), pace.clone());
         tokio::task::spawn_blocking(move || load::drive(&target, &pace, seconds as f64, u64::MAX, clients, Some(told)))
@@ -360,7 +367,27 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
     let tasks = figures["finished"].as_f64().unwrap_or(0.0).max(1.0);
     let mut top = serde_json::Map::new();
     let mut totals = serde_json::Map::new();
-    for (service, ran) in statements {
+    let mut trips = serde_json::Map::new();
+    let mut without_statement = serde_json::Map::new();
+    for (service, mut ran) in statements {
+        // The benchmark's own counting queries run in intake's database.
+        if service == "intake" {
+            ran.calls -= own_queries as i64;
+        }
+        // Round trips counted at the service's own connections (every instance's),
+        // less the statements its database ran: what is left is mostly the pool's
+        // pings (sqlx's `Sync` on every checkout and release), which no server
+        // counter sees.
+        let sent: Option<u64> = usage
+            .iter()
+            .filter(|(name, _)| service_of(name) == Some(service))
+            .map(|(_, u)| u.postgres_round_trips)
+            .sum();
+        if let Some(sent) = sent {
+            trips.insert(service.to_owned(), json!(round(sent as f64 / tasks, 2)));
+            without_statement
+                .insert(service.to_owned(), json!(round((sent as f64 - ran.calls as f64).max(0.0) / tasks, 2)));
+        }
         let listed: Vec<Value> = ran
             .top
             .into_iter()
@@ -373,8 +400,17 @@ async fn measure(bench: &mut Bench, kind: &str, pace: PaceSpec, seconds: u64, se
         );
     }
     figures["statements_per_task"] = Value::Object(totals);
+    if !trips.is_empty() {
+        figures["postgres_round_trips_per_task"] = Value::Object(trips);
+        figures["postgres_round_trips_without_statement_per_task"] = Value::Object(without_statement);
+    }
     figures["top_statements_per_task"] = Value::Object(top);
     figures
+}
+
+/// The service a watched process is an instance of (`executor-2` is an executor).
+fn service_of(process: &str) -> Option<&'static str> {
+    SERVICES.into_iter().find(|s| process == *s || process.strip_prefix(s).is_some_and(|rest| rest.starts_with('-')))
 }
 
 /// The whole run's counts, for the costs per task.
@@ -471,7 +507,8 @@ async fn figures(
         },
         "postgres_commits_per_task": per_task(all_commits),
         "postgres_commits_per_task_by_service": commits,
-        "kafka_records_per_task": per_task((whole.last.records - whole.first.records) as f64),
+        "kafka_records_per_task": per_task((whole.last.kafka.written - whole.first.kafka.written) as f64),
+        "kafka_records_delivered_per_task": per_task((whole.last.kafka.delivered - whole.first.kafka.delivered) as f64),
         "row_writes_per_task": rows,
         "rows_read_by_sequential_scans_per_task": scanned,
         "processes": probe::usage_json(whole.usage, whole_s, finished),
@@ -505,6 +542,38 @@ fn line(label: &str, f: &Value) {
         f["kafka_records_per_task"],
         f["unfinished"],
     );
+    costs(f);
+}
+
+/// What a finished task cost, counted (docs/performance.md, "What a task costs,
+/// counted"): Postgres statements, round trips, commits and row writes, Kafka
+/// records, and per process the CPU, voluntary context switches and threads.
+fn costs(f: &Value) {
+    let sum = |field: &str, part: Option<&str>| {
+        f[field].as_object().map_or("-".to_owned(), |by_service| {
+            let total: f64 = by_service.values().filter_map(|v| part.map_or(v, |p| &v[p]).as_f64()).sum();
+            format!("{total:.1}")
+        })
+    };
+    let number = |v: &Value| v.as_f64().map_or("-".to_owned(), |v| format!("{v}"));
+    println!(
+        "    per task: statements {}  round trips {} ({} without a statement)  commits {}  row writes {}  \
+         records written {} delivered {}",
+        sum("statements_per_task", Some("calls")),
+        sum("postgres_round_trips_per_task", None),
+        sum("postgres_round_trips_without_statement_per_task", None),
+        number(&f["postgres_commits_per_task"]),
+        sum("row_writes_per_task", None),
+        number(&f["kafka_records_per_task"]),
+        number(&f["kafka_records_delivered_per_task"]),
+    );
+    let Some(processes) = f["processes"].as_object() else { return };
+    let each = |field: &str| {
+        processes.iter().map(|(name, p)| format!("{name} {}", number(&p[field]))).collect::<Vec<_>>().join(", ")
+    };
+    println!("    CPU ms per task: {}", each("cpu_ms_per_task"));
+    println!("    voluntary context switches per task: {}", each("voluntary_ctx_switches_per_task"));
+    println!("    threads (peak): {}", each("peak_threads"));
 }
 
 /// Runs `one` `settings.runs` times, printing each run and the median.
@@ -645,10 +714,15 @@ pub async fn peer(settings: &Settings) -> Value {
         let mut watched = probe::infrastructure();
         watched.retain(|w| w.name == "postgres");
         if let Some(pid) = child.id() {
-            watched.push(Watched { name: "pgqueuer (clients and worker)".into(), pid, with_children: true });
+            watched.push(Watched {
+                name: "pgqueuer (clients and worker)".into(),
+                pid,
+                with_children: true,
+                postgres_client: true,
+            });
         }
         let stop = tokio_util::sync::CancellationToken::new();
-        let sampler = tokio::spawn(probe::sample_until(watched, stop.clone()));
+        let sampler = tokio::spawn(probe::sample_until(watched, probe::postgres_port(), stop.clone()));
         let output = child.wait_with_output().await;
         stop.cancel();
         let usage = sampler.await.unwrap_or_default();

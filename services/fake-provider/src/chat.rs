@@ -110,14 +110,8 @@ pub(crate) async fn chat_completions(req: HttpRequest, shared: web::Data<Shared>
         },
         "chatcmpl",
     );
-    let after_work = rule.status_after_work.map(|status| format!("status_after_work:{status}"));
-    let outcome = match (&after_work, rule.drop_after_accept, replayed) {
-        (_, true, _) => "dropped",
-        (Some(after_work), _, _) => after_work,
-        (None, _, true) => "replayed",
-        (None, _, false) => "succeeded",
-    };
-    record(outcome, Some(op.request_id.clone()), !replayed);
+    let outcome = rule.outcome_of_work(replayed, "succeeded");
+    record(&outcome, Some(op.request_id.clone()), !replayed);
     if !replayed {
         tokio::time::sleep(latency).await;
     }

@@ -1,9 +1,12 @@
 //! The fake provider: a real HTTP service that speaks Fenceline's provider protocol
 //! (docs/provider-protocol.md), records every call it receives and keeps a billing
 //! ledger, so tests count what was charged. It misbehaves on request. It also
-//! serves an OpenAI-compatible chat completions endpoint (`chat.rs`) for dialects.
+//! speaks the vendor APIs the shipped dialects call (`chat.rs`, `vendors.rs`).
+//! This file holds what they share: the rules, the state and the app.
 
+mod admin;
 mod chat;
+mod protocol;
 pub mod vendors;
 
 use std::collections::HashMap;
@@ -18,7 +21,6 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use fenceline_config::HttpConfig;
 use fenceline_runtime::{Error, Readiness, health_routes, serve};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use vendors::Vendor;
 
 pub const NAME: &str = "fake-provider";
@@ -214,6 +216,17 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// What a call that did the work is logged as, by this rule: `dropped`, a
+    /// status after the work, `replayed`, or `done` (`succeeded`, `accepted`).
+    fn outcome_of_work(&self, replayed: bool, done: &str) -> String {
+        match (self.status_after_work, self.drop_after_accept, replayed) {
+            (_, true, _) => "dropped".to_owned(),
+            (Some(status), _, _) => format!("status_after_work:{status}"),
+            (None, _, true) => "replayed".to_owned(),
+            (None, _, false) => done.to_owned(),
+        }
+    }
+
     fn matches(&self, on: Target, operation: &str, key: Option<&str>) -> bool {
         self.on == on
             && self.operation.as_deref().is_none_or(|o| o == operation)
@@ -476,45 +489,6 @@ impl Shared {
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct StartOperation {
-    operation: String,
-    #[serde(default)]
-    input: serde_json::Value,
-}
-
-#[derive(Debug, Serialize)]
-struct Answer {
-    request_id: String,
-    status: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    result: Option<ArtifactJson>,
-}
-
-#[derive(Debug, Serialize)]
-struct ArtifactJson {
-    uri: String,
-    sha256: String,
-    size_bytes: usize,
-}
-
-fn answer(req: &HttpRequest, shared: &Shared, op: &Operation, done: bool) -> Answer {
-    let info = req.connection_info();
-    let base = match op.serving {
-        Serving::OtherHost => shared.other_host(req),
-        Serving::Here | Serving::Redirect => format!("{}://{}", info.scheme(), info.host()),
-    };
-    Answer {
-        request_id: op.request_id.clone(),
-        status: if done { "succeeded" } else { "running" },
-        result: done.then(|| ArtifactJson {
-            uri: format!("{base}/artifacts/{}", op.request_id),
-            sha256: hex::encode(Sha256::digest(&op.content)),
-            size_bytes: op.content.len(),
-        }),
-    }
-}
-
 fn problem(status: u16, detail: &str) -> HttpResponse {
     HttpResponse::build(
         actix_web::http::StatusCode::from_u16(status).unwrap_or(actix_web::http::StatusCode::BAD_REQUEST),
@@ -550,127 +524,6 @@ fn broken(why: &'static str) -> HttpResponse {
     HttpResponse::Ok().content_type("application/json").streaming(stream)
 }
 
-async fn start(req: HttpRequest, shared: web::Data<Shared>, body: web::Bytes) -> HttpResponse {
-    let Ok(start) = serde_json::from_slice::<StartOperation>(&body) else {
-        return problem(400, "body must be {\"operation\": ..., \"input\": ...}");
-    };
-    let arrival = Arrival::now(&req, &start.operation);
-    let key = arrival.key.clone();
-    let arrived = tokio::time::Instant::now();
-    // A conflict rule applies only while an operation with this key is running, a
-    // limit rule only beyond its limit. A request no limit refused counts against
-    // the limits at once, under the lock that judged it, so two requests cannot
-    // both take the last place.
-    let rule = shared.take_rule_then(
-        Target::Start,
-        &start.operation,
-        key.as_deref(),
-        |state, rule| {
-            (!rule.conflict_while_running
-                || key
-                    .as_ref()
-                    .and_then(|k| state.by_key.get(k))
-                    .and_then(|id| state.operations.get(id))
-                    .is_some_and(Operation::running))
-                && rule.over_limit(state, arrived)
-        },
-        |state, rule| {
-            if rule.max_in_flight.is_none() && rule.max_per_second.is_none() {
-                state.in_flight += 1;
-                let window = arrived.checked_sub(Duration::from_secs(1));
-                while state.started.front().is_some_and(|at| window.is_some_and(|w| *at <= w)) {
-                    state.started.pop_front();
-                }
-                state.started.push_back(arrived);
-            }
-        },
-    );
-    let _in_flight = InFlight::counted(&shared, rule.max_in_flight.is_none() && rule.max_per_second.is_none());
-    let record = |outcome: &str, request_id: Option<String>, charged: bool| {
-        shared.record(&arrival, &start.input, outcome, request_id, charged);
-    };
-    if rule.conflict_while_running {
-        record("conflict", None, false);
-        return scripted(&rule, 409, "a request with this Idempotency-Key is still running; ask again later");
-    }
-    // Scripted refusals come after the latency; accepted work is registered (and
-    // visible to look-ups) at once, or after `register_after_ms`, and answered
-    // after the latency, as a provider that is still rendering would.
-    let latency = rule.latency_ms.map(Duration::from_millis).unwrap_or_default();
-    if rule.status.is_some() {
-        tokio::time::sleep(latency).await;
-    }
-    if rule.exit {
-        tracing::warn!("fake provider exits on a rule");
-        std::process::abort();
-    }
-    let limited = rule.max_in_flight.is_some() || rule.max_per_second.is_some();
-    if let Some(status) = rule.status.or(limited.then_some(429)) {
-        record(&format!("status:{status}"), None, false);
-        return scripted(&rule, status, if limited { "over the provider's limit" } else { "scripted" });
-    }
-    if rule.hang {
-        record("hang", None, false);
-        std::future::pending::<()>().await;
-    }
-    if let Some(delay) = rule.register_after_ms {
-        // In flight, and not yet known: a look-up now says "never received".
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-    }
-    // Work, once per key when the provider dedupes.
-    let (op, replayed) = shared.work_once_per_key(
-        key.as_deref(),
-        |state, request_id| {
-            let delay = latency + if state.capabilities.async_results { shared.async_delay } else { Duration::ZERO };
-            Operation {
-                request_id: request_id.to_owned(),
-                operation: start.operation.clone(),
-                key: key.clone(),
-                content: format!("{}:{}:{request_id}", start.operation, start.input).into_bytes(),
-                corrupt: rule.corrupt_artifact,
-                serving: rule.serve_artifact.unwrap_or_default(),
-                ready_at: tokio::time::Instant::now() + delay,
-            }
-        },
-        "req",
-    );
-    let is_async = shared.lock().capabilities.async_results;
-    // The call is in the log from the moment the work is registered: a caller
-    // that stops while the provider is still rendering has been received.
-    let answered_at_once = !is_async || shared.async_delay.is_zero();
-    let after_work = rule.status_after_work.map(|status| format!("status_after_work:{status}"));
-    let outcome = if rule.drop_after_accept {
-        "dropped"
-    } else if let Some(after_work) = &after_work {
-        after_work
-    } else if replayed {
-        "replayed"
-    } else if answered_at_once {
-        "succeeded"
-    } else {
-        "accepted"
-    };
-    record(outcome, Some(op.request_id.clone()), !replayed);
-    if !replayed {
-        tokio::time::sleep(latency).await;
-    }
-    if rule.drop_after_accept {
-        // The work is done and charged; the caller gets a reset, not an answer.
-        return broken("connection dropped after accepting");
-    }
-    if let Some(status) = rule.status_after_work {
-        // The work is done and charged; the answer says the provider (or a
-        // gateway in front of it) failed.
-        return scripted(&rule, status, "failed after the work was done");
-    }
-    let done = tokio::time::Instant::now() >= op.ready_at;
-    if is_async && !done {
-        HttpResponse::Accepted().json(Answer { request_id: op.request_id.clone(), status: "accepted", result: None })
-    } else {
-        HttpResponse::Ok().json(answer(&req, &shared, &op, done))
-    }
-}
-
 /// Now, in microseconds since the Unix epoch.
 fn unix_micros() -> i64 {
     std::time::SystemTime::now()
@@ -690,121 +543,6 @@ async fn misbehave(rule: &Rule, detail: &'static str) -> Option<HttpResponse> {
         return Some(broken(detail));
     }
     rule.status.map(|status| scripted(rule, status, "scripted"))
-}
-
-async fn poll(req: HttpRequest, shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
-    let op = shared.lock().operations.get(path.as_str()).cloned();
-    match op {
-        Some(op) => {
-            let rule = shared.take_rule(Target::Poll, &op.operation, op.key.as_deref(), |_, _| true);
-            if let Some(response) = misbehave(&rule, "connection reset while polling").await {
-                return response;
-            }
-            HttpResponse::Ok().json(answer(&req, &shared, &op, !op.running()))
-        }
-        None => problem(404, "no such request"),
-    }
-}
-
-#[derive(Debug, Deserialize)]
-struct KeyQuery {
-    operation_key: Option<String>,
-}
-
-async fn lookup(req: HttpRequest, shared: web::Data<Shared>, query: web::Query<KeyQuery>) -> HttpResponse {
-    let Some(key) = query.operation_key.clone() else { return problem(400, "operation_key is required") };
-    let (lookup, operation) = {
-        let state = shared.lock();
-        let operation = state.by_key.get(&key).and_then(|id| state.operations.get(id)).map(|op| op.operation.clone());
-        (state.capabilities.lookup, operation)
-    };
-    if !lookup {
-        return problem(501, "this provider cannot look operations up");
-    }
-    let rule = shared.take_rule(Target::Lookup, operation.as_deref().unwrap_or_default(), Some(&key), |_, _| true);
-    if let Some(response) = misbehave(&rule, "connection reset while looking up").await {
-        return response;
-    }
-    let state = shared.lock();
-    match state.by_key.get(&key).and_then(|id| state.operations.get(id)) {
-        Some(op) => HttpResponse::Ok().json(answer(&req, &shared, op, !op.running())),
-        None => HttpResponse::NotFound().json(serde_json::json!({"status": "unknown", "operation_key": key})),
-    }
-}
-
-/// An artifact at this provider's own address.
-async fn artifact(req: HttpRequest, shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
-    let op = shared.lock().operations.get(path.as_str()).cloned();
-    match op.map(|op| (op.serving, op)) {
-        Some((Serving::Here, op)) => serve_artifact(&shared, &op).await,
-        Some((Serving::Redirect, op)) => HttpResponse::TemporaryRedirect()
-            .insert_header((
-                actix_web::http::header::LOCATION,
-                format!("{}/artifacts/{}", shared.other_host(&req), op.request_id),
-            ))
-            .finish(),
-        // Served elsewhere only: a caller that ignores the result's uri finds nothing.
-        Some((Serving::OtherHost, _)) | None => problem(404, "no such artifact"),
-    }
-}
-
-/// An artifact at the other host (the second port).
-async fn artifact_elsewhere(shared: web::Data<Shared>, path: web::Path<String>) -> HttpResponse {
-    let op = shared.lock().operations.get(path.as_str()).cloned();
-    match op {
-        Some(op) if op.serving != Serving::Here => serve_artifact(&shared, &op).await,
-        _ => problem(404, "no such artifact"),
-    }
-}
-
-async fn serve_artifact(shared: &Shared, op: &Operation) -> HttpResponse {
-    let rule = shared.take_rule(Target::Artifact, &op.operation, op.key.as_deref(), |_, _| true);
-    if let Some(response) = misbehave(&rule, "connection reset while downloading").await {
-        return response;
-    }
-    let mut bytes = op.content.clone();
-    if op.corrupt {
-        bytes.extend_from_slice(b" (corrupted in storage)");
-    }
-    HttpResponse::Ok().content_type("application/octet-stream").body(bytes)
-}
-
-async fn calls(shared: web::Data<Shared>, query: web::Query<KeyQuery>) -> HttpResponse {
-    let state = shared.lock();
-    let calls: Vec<&Call> = state
-        .calls
-        .iter()
-        .filter(|c| query.operation_key.as_ref().is_none_or(|k| c.operation_key.as_ref() == Some(k)))
-        .collect();
-    HttpResponse::Ok().json(calls)
-}
-
-async fn ledger(shared: web::Data<Shared>) -> HttpResponse {
-    let state = shared.lock();
-    let total_cents = state.charges.iter().map(|c| c.cents).sum();
-    HttpResponse::Ok().json(Ledger { charges: state.charges.clone(), total_cents })
-}
-
-async fn set_capabilities(shared: web::Data<Shared>, body: web::Json<Capabilities>) -> HttpResponse {
-    shared.lock().capabilities = body.into_inner();
-    HttpResponse::NoContent().finish()
-}
-
-async fn add_rule(shared: web::Data<Shared>, body: web::Json<Rule>) -> HttpResponse {
-    shared.lock().rules.push(body.into_inner());
-    HttpResponse::NoContent().finish()
-}
-
-async fn clear_rules(shared: web::Data<Shared>) -> HttpResponse {
-    shared.lock().rules.clear();
-    HttpResponse::NoContent().finish()
-}
-
-async fn reset(shared: web::Data<Shared>) -> HttpResponse {
-    let mut state = shared.lock();
-    let capabilities = state.capabilities;
-    *state = State { capabilities, ..State::default() };
-    HttpResponse::NoContent().finish()
 }
 
 /// The running fake provider: the protocol on its port, and artifacts served from
@@ -837,7 +575,8 @@ impl App {
         let (artifact_server, artifact_port) = listen(&elsewhere, tls.as_ref(), {
             let shared = shared.clone();
             move |cfg: &mut web::ServiceConfig| {
-                cfg.app_data(shared.clone()).route("/artifacts/{request_id}", web::get().to(artifact_elsewhere));
+                cfg.app_data(shared.clone())
+                    .route("/artifacts/{request_id}", web::get().to(protocol::artifact_elsewhere));
             }
         })?;
         shared.artifact_port.store(artifact_port, Ordering::Release);
@@ -845,9 +584,9 @@ impl App {
         let (server, port) = listen(&config.http, tls.as_ref(), move |cfg: &mut web::ServiceConfig| {
             health(cfg);
             cfg.app_data(shared.clone())
-                .route("/v1/operations", web::post().to(start))
-                .route("/v1/operations", web::get().to(lookup))
-                .route("/v1/operations/{request_id}", web::get().to(poll))
+                .route("/v1/operations", web::post().to(protocol::start))
+                .route("/v1/operations", web::get().to(protocol::lookup))
+                .route("/v1/operations/{request_id}", web::get().to(protocol::poll))
                 .route("/v1/chat/completions", web::post().to(chat::chat_completions))
                 .route("/v1/messages", web::post().to(|r, s, b| vendors::create(Vendor::Anthropic, r, s, b)))
                 .route("/v1/predictions", web::post().to(|r, s, b| vendors::create(Vendor::Replicate, r, s, b)))
@@ -857,13 +596,13 @@ impl App {
                     "/2010-04-01/Accounts/{account}/Messages.json",
                     web::post().to(|r, s, b| vendors::create(Vendor::Twilio, r, s, b)),
                 )
-                .route("/artifacts/{request_id}", web::get().to(artifact))
-                .route("/admin/calls", web::get().to(calls))
-                .route("/admin/ledger", web::get().to(ledger))
-                .route("/admin/capabilities", web::put().to(set_capabilities))
-                .route("/admin/rules", web::post().to(add_rule))
-                .route("/admin/rules", web::delete().to(clear_rules))
-                .route("/admin/reset", web::post().to(reset));
+                .route("/artifacts/{request_id}", web::get().to(protocol::artifact))
+                .route("/admin/calls", web::get().to(admin::calls))
+                .route("/admin/ledger", web::get().to(admin::ledger))
+                .route("/admin/capabilities", web::put().to(admin::set_capabilities))
+                .route("/admin/rules", web::post().to(admin::add_rule))
+                .route("/admin/rules", web::delete().to(admin::clear_rules))
+                .route("/admin/reset", web::post().to(admin::reset));
         })?;
         tracing::info!(service = NAME, port, artifact_port, tls = tls.is_some(), capabilities = ?config.capabilities, "listening");
         Ok(Self { server, artifact_server, port, artifact_port, readiness })

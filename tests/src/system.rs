@@ -391,6 +391,15 @@ impl System {
         std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
     }
 
+    /// Sets one top-level field of the catalogue (`budgets`), before the services
+    /// that read it start.
+    pub fn set_catalog_field(&self, field: &str, value: Value) {
+        let mut catalog: Value =
+            serde_json::from_slice(&std::fs::read(&self.catalog).expect("catalogue")).expect("catalogue JSON");
+        catalog[field] = value;
+        std::fs::write(&self.catalog, serde_json::to_vec_pretty(&catalog).expect("json")).expect("write catalogue");
+    }
+
     /// Replaces the catalogue's kinds (before the services start).
     pub fn set_kinds(&self, kinds: Value) {
         let mut catalog: Value =

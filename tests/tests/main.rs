@@ -29,6 +29,7 @@ mod retention;
 mod scaleout;
 mod secrets;
 mod shutdown;
+mod spend;
 mod tls;
 mod upgrade;
 mod vendor_apis;

@@ -10,11 +10,13 @@
 //! provider's connect bound plus the lease margin (docs/execution.md, "Executor";
 //! docs/decisions.md on why the lease need not cover the whole call).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use fenceline_bus::fault;
 use fenceline_config::catalog::StepSpec;
 use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
+use fenceline_domain::spend::{self, Amount};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted};
 use fenceline_providers::{CallAnswer, HttpProvider, Lookup, ProviderResult, VerifyError};
@@ -102,6 +104,7 @@ impl Workers {
                 window,
                 budget_ends: ends.budget,
                 finishes,
+                prices: self.prices_of(step),
             };
             if let Some(settled) = self.ask_about_the_doubt(lease, &earlier, &input).await? {
                 return Ok(settled);
@@ -154,8 +157,17 @@ impl Workers {
             warn!(task_id = %lease.task_id, "{message}");
             return Ok(None);
         }
-        let call =
-            Call { step: &step.name, provider, operation, key: &key, seq, window, budget_ends: ends.budget, finishes };
+        let call = Call {
+            step: &step.name,
+            provider,
+            operation,
+            key: &key,
+            seq,
+            window,
+            budget_ends: ends.budget,
+            finishes,
+            prices: self.prices_of(step),
+        };
         let answer = provider.start_task(&lease.task_id.to_string(), operation, input.clone(), &key).await;
         fault!("executor.after_provider_answer");
         self.follow(lease, &call, input, answer).await
@@ -360,9 +372,16 @@ impl Workers {
                 }
             }
         }
+        let result_usage = result.usage.clone();
         let (artifact, output) = step_output(lease.task_id, lease.generation, call.step, result);
         let finishing = call.finishes.then_some(&artifact);
-        match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256), finishing).await {
+        let cost = spend::cost(call.prices.per_call, call.prices.usage, &result_usage);
+        if let Some(unread) = cost.as_ref().map(|cost| &cost.unread).filter(|unread| !unread.is_empty()) {
+            warn!(task_id = %lease.task_id, step = call.step, ?unread,
+                "the answer reported none of these priced counts; the call's cost counts none of them");
+        }
+        let charged = Charged { provider: call.provider.name(), cost: cost.map(|cost| cost.amount) };
+        match self.checkpoint(lease, call.step, &output, Some(&artifact.sha256), finishing, Some(charged)).await {
             Ok(()) => {}
             Err(Stop::Fenced) => {
                 // Another worker holds the execution and the reconciler has the case:
@@ -415,6 +434,16 @@ impl Workers {
         Ok(lease.holds_for(window))
     }
 
+    /// What a call of `step` is priced by: its price per call and its provider's usage prices.
+    fn prices_of<'a>(&'a self, step: &StepSpec) -> Prices<'a> {
+        static NONE: std::sync::LazyLock<BTreeMap<String, Amount>> = std::sync::LazyLock::new(BTreeMap::new);
+        let provider = step.call().and_then(|(provider, _)| self.catalog.provider(provider));
+        Prices {
+            per_call: self.catalog.price_per_call_minor(step),
+            usage: provider.map_or(&*NONE, |provider| &provider.usage_prices),
+        }
+    }
+
     fn send_window_of(&self, provider: &str) -> Duration {
         self.catalog.providers.get(provider).map_or(Duration::from_secs(1), |spec| send_window(spec.call_timeout()))
     }
@@ -431,6 +460,7 @@ impl Workers {
         output: &serde_json::Value,
         sha256: Option<&str>,
         finishing: Option<&ArtifactRef>,
+        charged: Option<Charged<'_>>,
     ) -> Result<(), Stop> {
         let sha = sha256.map_or_else(|| hex_sha(output), str::to_owned);
         let checkpointed = Event::StepCheckpointed(fenceline_events::StepCheckpointed {
@@ -442,6 +472,8 @@ impl Workers {
             checkpointed_at: crate::clock::now(),
             generation: Some(lease.generation),
             output_json: shown_output(output),
+            provider: charged.as_ref().map(|charged| charged.provider.to_owned()),
+            cost_micros: charged.as_ref().and_then(|charged| charged.cost).map(Amount::micros),
         });
         let mut transition = Transition {
             checkpoint: Some(Checkpoint { step, output, sha256: &sha }),
@@ -453,8 +485,28 @@ impl Workers {
             events.push(crate::worker::succeeded(lease, result.clone()));
         }
         self.record(lease, transition, &events).await?;
+        if let Some(Charged { provider, cost: Some(cost) }) = charged {
+            fenceline_telemetry::metrics::global()
+                .provider_spend
+                .get_or_create(&fenceline_telemetry::metrics::ProviderLabels { provider: provider.to_owned() })
+                .inc_by(cost.as_minor_f64());
+        }
         Ok(())
     }
+}
+
+/// What a call that did its work is priced by.
+#[derive(Debug, Clone, Copy)]
+struct Prices<'a> {
+    per_call: Option<Amount>,
+    usage: &'a BTreeMap<String, Amount>,
+}
+
+/// The provider a checkpointed call charged, and what it cost (`None`: unpriced).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Charged<'a> {
+    provider: &'a str,
+    cost: Option<Amount>,
 }
 
 /// A step's verified result: its reference (the attempt's result when it is the
@@ -506,6 +558,7 @@ struct Call<'a> {
     budget_ends: Instant,
     /// The kind's last step: its checkpoint also finishes the attempt.
     finishes: bool,
+    prices: Prices<'a>,
 }
 
 /// Sleeps, unless the worker is fenced meanwhile.
@@ -567,7 +620,13 @@ mod tests {
         // Read back from its checkpoint, it is the same reference.
         assert_eq!(crate::worker::checkpointed_result(task, 2, "draft", &output), artifact);
         // An artifact's output is its reference, as before.
-        let file = ProviderResult { uri: "http://p/a".into(), sha256: "ab".into(), size_bytes: 3, inline: None };
+        let file = ProviderResult {
+            uri: "http://p/a".into(),
+            sha256: "ab".into(),
+            size_bytes: 3,
+            inline: None,
+            usage: Default::default(),
+        };
         let (artifact, output) = step_output(task, 0, "render", file);
         assert_eq!(output, serde_json::json!({"uri": "http://p/a", "sha256": "ab", "size_bytes": 3}));
         assert_eq!(crate::worker::checkpointed_result(task, 0, "render", &output), artifact);

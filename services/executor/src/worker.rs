@@ -471,7 +471,7 @@ impl Workers {
             match step.approval_signal.as_deref() {
                 Some(signal) if claim.resume_after_step.as_deref() == Some(step.name.as_str()) => {
                     let output = serde_json::json!({ "approved_by_signal": signal });
-                    self.checkpoint(lease, &step.name, &output, None, None).await?;
+                    self.checkpoint(lease, &step.name, &output, None, None, None).await?;
                     outputs.insert(step.name.clone(), output);
                 }
                 Some(signal) => return self.await_signal(lease, &step.name, signal).await,

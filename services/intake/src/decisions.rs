@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::approvals::{self, Heard};
 use fenceline_domain::ids::TaskId;
+use fenceline_domain::spend::Amount;
 use fenceline_domain::vocabulary::{ApprovalDecision, ResolutionAction, TaskState};
 use fenceline_events::{Event, SignalReceived, StepCheckpointed, Timestamp, topics};
 use serde::{Deserialize, Serialize};
@@ -38,6 +39,18 @@ pub struct StepOutput {
     pub artifact_uri: Option<String>,
     /// Where the executor checkpointed the output.
     pub output_ref: String,
+    /// The provider the step called; absent for an approval step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// What the call cost as the catalogue prices it, in the currency's minor unit;
+    /// absent when unpriced.
+    #[sqlx(skip)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<f64>)]
+    pub cost_minor: Option<Amount>,
+    #[serde(skip)]
+    #[schema(ignore)]
+    cost_micros: Option<i64>,
     /// The sha256 of the result (of an artifact's bytes, or of an inline value's canonical JSON).
     pub sha256: String,
     #[serde(with = "time::serde::rfc3339")]
@@ -62,8 +75,8 @@ pub async fn record_output(tx: &mut PgConnection, e: &StepCheckpointed) -> Resul
     let generation = e.generation.or_else(|| e.output_ref.split(':').nth(2).and_then(|g| g.parse().ok())).unwrap_or(0);
     let output: Option<serde_json::Value> = e.output_json.as_deref().and_then(|text| serde_json::from_str(text).ok());
     sqlx::query(
-        "INSERT INTO task_steps (task_id, generation, step, output, output_ref, sha256, checkpointed_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+        "INSERT INTO task_steps (task_id, generation, step, output, output_ref, sha256, checkpointed_at, provider, \
+         cost_micros) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
     )
     .bind(e.task_id.as_uuid())
     .bind(generation)
@@ -72,6 +85,8 @@ pub async fn record_output(tx: &mut PgConnection, e: &StepCheckpointed) -> Resul
     .bind(&e.output_ref)
     .bind(&e.sha256)
     .bind(e.checkpointed_at.to_datetime())
+    .bind(&e.provider)
+    .bind(e.cost_micros)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -80,7 +95,7 @@ pub async fn record_output(tx: &mut PgConnection, e: &StepCheckpointed) -> Resul
 /// Every output heard for the task, in the order the steps finished.
 pub async fn outputs(conn: &mut PgConnection, task_id: TaskId) -> Result<Vec<StepOutput>, sqlx::Error> {
     let mut rows: Vec<StepOutput> = sqlx::query_as(
-        "SELECT step, generation, output, output_ref, sha256, checkpointed_at FROM task_steps \
+        "SELECT step, generation, output, output_ref, sha256, checkpointed_at, provider, cost_micros FROM task_steps \
          WHERE task_id = $1 ORDER BY checkpointed_at, generation, step",
     )
     .bind(task_id.as_uuid())
@@ -88,6 +103,7 @@ pub async fn outputs(conn: &mut PgConnection, task_id: TaskId) -> Result<Vec<Ste
     .await?;
     for row in &mut rows {
         row.artifact_uri = artifact_uri(row.output.as_ref());
+        row.cost_minor = row.cost_micros.map(Amount::from_micros);
     }
     Ok(rows)
 }

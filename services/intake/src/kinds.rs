@@ -24,6 +24,8 @@ pub struct KindCatalog {
     steps: HashMap<String, Vec<StepSpec>>,
     /// Every kind's input fields that its providers' request templates read.
     fills: HashMap<String, Vec<Fill>>,
+    /// Daily budgets by tenant, from the catalogue.
+    budgets: std::collections::BTreeMap<String, fenceline_domain::spend::Budget>,
 }
 
 /// An input field a step's request is built from.
@@ -77,7 +79,7 @@ impl KindCatalog {
                 schemas.insert(kind.clone(), validator);
             }
         }
-        Ok(Self { kinds: kinds.to_vec(), schemas, approvals: None, steps: HashMap::new(), fills: HashMap::new() })
+        Ok(Self { kinds: kinds.to_vec(), schemas, ..Self::default() })
     }
 
     /// Takes from the catalogue each kind's approval steps and the signals they wait
@@ -95,6 +97,7 @@ impl KindCatalog {
             })
             .collect();
         self.approvals = Some(approvals);
+        self.budgets = catalog.budgets.clone();
         self.steps = catalog.kinds.iter().map(|(kind, spec)| (kind.clone(), spec.steps.clone())).collect();
         self.fills = catalog
             .kinds
@@ -113,6 +116,11 @@ impl KindCatalog {
             })
             .collect();
         self
+    }
+
+    /// The daily budget of `tenant`'s paid calls, if the catalogue gives it one.
+    pub fn budget_of(&self, tenant: &str) -> Option<&fenceline_domain::spend::Budget> {
+        self.budgets.get(tenant)
     }
 
     /// The approval steps of `kind` with the signals they wait for, in order; empty

@@ -10,6 +10,7 @@ pub mod live;
 pub mod openapi;
 pub mod problem;
 pub mod sealing;
+mod spend;
 pub mod tasks;
 pub mod timeline;
 pub mod ui;
@@ -224,6 +225,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                     .service(resource("/tasks/{task_id}/approve", "POST").route(web::post().to(approve)))
                     .service(resource("/tasks/{task_id}/reject", "POST").route(web::post().to(reject)))
                     .service(resource("/summary", "GET").route(web::get().to(summary)))
+                    .service(resource("/spend", "GET").route(web::get().to(spend)))
                     .service(resource("/events", "GET").route(web::get().to(events)))
                     .service(resource("/webhooks/{source}", "POST").route(web::post().to(webhook))),
             );
@@ -487,6 +489,32 @@ async fn summary(
     query: web::Query<tasks::SummaryQuery>,
 ) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(tasks::summarise(&pool, &caller.0, query.into_inner()).await?))
+}
+
+/// What the caller's tenant's paid calls cost, by UTC day and provider, and its
+/// daily budget (docs/catalog.md, "Prices, spend and budgets").
+#[utoipa::path(
+    get, path = "/v1/spend", tag = "tasks",
+    params(spend::SpendQuery),
+    responses(
+        (status = 200, description = "The spend in the window", body = spend::SpendReport),
+        (status = 400, description = "A bad window", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or bad token", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 431, description = "A header over its limit", body = problem::Problem, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its request rate", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds until the tenant's next request is admitted"))),
+        (status = 503, description = "Intake serves as many requests as it may at once", body = problem::Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds to wait before trying again"))),
+    ),
+)]
+async fn spend(
+    caller: Caller,
+    state: web::Data<State>,
+    pool: web::Data<PgPool>,
+    query: web::Query<spend::SpendQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let budget = state.kinds.budget_of(caller.0.as_str());
+    Ok(HttpResponse::Ok().json(spend::report(&pool, &caller.0, query.into_inner(), budget).await?))
 }
 
 /// `GET /v1/events`: the caller's tenant's task changes as server-sent events

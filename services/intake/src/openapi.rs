@@ -25,6 +25,7 @@ use crate::kinds::KindCatalog;
         crate::approve,
         crate::reject,
         crate::summary,
+        crate::spend,
         crate::webhook,
     ),
     components(schemas(crate::problem::Problem)),

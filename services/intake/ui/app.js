@@ -81,6 +81,7 @@
     $('board').hidden = false;
     $('sign-out').hidden = false;
     renderSummary(data);
+    loadSpend();
     openStream();
   }
 
@@ -222,6 +223,23 @@
   async function loadSummary() {
     const { status, data } = await api('GET', '/v1/summary?' + filterQuery(false));
     if (status === 200) renderSummary(data);
+    loadSpend();
+  }
+
+  /** Today's spend and the tenant's budget, from GET /v1/spend (minor units). */
+  async function loadSpend() {
+    const since = new Date();
+    since.setUTCHours(0, 0, 0, 0);
+    const { status, data } = await api('GET', '/v1/spend?since=' + encodeURIComponent(since.toISOString()));
+    if (status !== 200) return;
+    const parts = ['Spent today (UTC): ' + data.cost_minor + ' in the currency\'s minor unit, ' + data.calls + ' paid calls'];
+    if (data.unpriced_calls) parts.push(data.unpriced_calls + ' unpriced');
+    if (data.budget) {
+      parts.push('budget ' + data.budget.per_day_minor + ' a day' +
+        (data.budget.spent ? ': spent, new paid calls wait' : ''));
+    }
+    $('spend').textContent = parts.join(' · ');
+    $('spend').classList.toggle('error', Boolean(data.budget && data.budget.spent));
   }
 
   function renderSummary(summary) {
@@ -355,7 +373,8 @@
   /** One step's output: the artifact's link for a file result, else the value. */
   function stepOutput(o) {
     return el('div', { class: 'step-output', 'data-step': o.step },
-      el('div', { class: 'hint' }, el('strong', { text: o.step }), ' · generation ' + o.generation + ' · ' + when(o.checkpointed_at)),
+      el('div', { class: 'hint' }, el('strong', { text: o.step }), ' · generation ' + o.generation + ' · ' + when(o.checkpointed_at) +
+        (o.provider ? ' · ' + o.provider + (o.cost_minor !== undefined && o.cost_minor !== null ? ' · cost ' + o.cost_minor : ' · unpriced') : '')),
       o.artifact_uri ? el('div', {}, 'artifact ', artifactLink(o.artifact_uri), ' · sha256 ', el('code', { text: o.sha256 }))
         : o.output !== undefined && o.output !== null ? jsonBlock(o.output)
           : el('div', { class: 'hint', text: 'Not shown (too large to travel); at ' + o.output_ref }));

@@ -17,6 +17,7 @@ use fenceline_config::catalog::{Catalog, ProviderSpec};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
 use fenceline_domain::limits::take_tokens;
+use fenceline_domain::spend::{Amount, may_start_a_paid_call};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -39,6 +40,8 @@ enum Tried {
     RateLimited(String, Micros),
     /// The tenant's slots for the kind are all taken.
     TenantFull,
+    /// The tenant's daily budget is spent.
+    BudgetSpent,
     /// Someone else holds it, it is no longer due, or the lifecycle refused.
     Skipped,
 }
@@ -171,7 +174,7 @@ impl Dispatcher {
                     Tried::RateLimited(limited, until) => {
                         rate_blocked.insert(limited, until);
                     }
-                    Tried::TenantFull | Tried::Skipped => {}
+                    Tried::TenantFull | Tried::BudgetSpent | Tried::Skipped => {}
                 }
             }
             let newly: Vec<String> = round
@@ -293,6 +296,24 @@ impl Dispatcher {
                 .await?;
             return Ok(Tried::Skipped);
         };
+        // A tenant whose budget is spent starts no new paid call: its tasks wait,
+        // saying why, until the day turns or the budget is raised.
+        if let Some(budget) = self.catalog.budget_of(&row.tenant) {
+            let spent = match round.spent.get(&row.tenant) {
+                Some(spent) => *spent,
+                None => {
+                    let spent = crate::spend::today(tx, &row.tenant).await?;
+                    round.spent.insert(row.tenant.clone(), spent);
+                    spent
+                }
+            };
+            if let Err(reason) = may_start_a_paid_call(&row.tenant, Some(budget), spent) {
+                if row.lifecycle.reason.as_ref() != Some(&reason) {
+                    tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+                }
+                return Ok(Tried::BudgetSpent);
+            }
+        }
         // A slot and a token per call at every provider the attempt calls, all or
         // none: nothing is taken until each of them has room.
         let mut takes: Vec<(&str, f64)> = Vec::with_capacity(needs.len());
@@ -447,6 +468,8 @@ struct Round {
     tenant_slots: HashMap<(String, String), i64>,
     /// Providers full or held by another instance: their tasks wait for the next round.
     passed_over: Vec<String>,
+    /// What each tenant with a budget has spent today, read once per round.
+    spent: HashMap<String, Amount>,
 }
 
 /// A provider's limits while a round holds its lock: read once, kept in memory,

@@ -12,6 +12,7 @@ use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Input, Task};
 use fenceline_domain::limits::Health;
+use fenceline_domain::spend::Amount;
 use fenceline_domain::vocabulary::{ApprovalDecision, Phase, Priority, ReleaseReason, TaskState};
 use fenceline_events::{Event, TaskAccepted};
 use sqlx::PgConnection;
@@ -263,10 +264,16 @@ impl Handler for LifecycleEvents {
                 Some(input) => input,
                 None => return Ok(()),
             },
-            Event::StepCheckpointed(e) => match progress(&row, e.attempt, &e.step, Phase::ResultRecorded) {
-                Some(input) => input,
-                None => return Ok(()),
-            },
+            Event::StepCheckpointed(e) => {
+                // A call that did its work cost money whatever became of its attempt.
+                if let Some(cost) = e.cost_micros {
+                    crate::spend::add(tx, &row.tenant, e.checkpointed_at, Amount::from_micros(cost)).await?;
+                }
+                match progress(&row, e.attempt, &e.step, Phase::ResultRecorded) {
+                    Some(input) => input,
+                    None => return Ok(()),
+                }
+            }
             Event::AwaitingSignal(e) => {
                 sqlx::query("UPDATE tasks SET pending_signal = $2, pending_step = $3 WHERE task_id = $1")
                     .bind(task_id.as_uuid())

@@ -5,6 +5,7 @@ pub mod dispatcher;
 pub mod events;
 pub mod health;
 pub mod retention;
+pub mod spend;
 pub mod tasks;
 
 use std::sync::Arc;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use fenceline_domain::calls::{ErrorTable, GATEWAY_STATUSES, ProviderCapabilities};
 use fenceline_domain::limits::AdaptivePolicy;
+use fenceline_domain::spend::{Amount, Budget};
 use fenceline_domain::standing::SendAgain;
 use fenceline_domain::vocabulary::ErrorClass;
 use serde::Deserialize;
@@ -22,6 +23,9 @@ use crate::{Error, require_nested};
 pub struct Catalog {
     pub providers: BTreeMap<String, ProviderSpec>,
     pub kinds: BTreeMap<String, KindSpec>,
+    /// Daily budgets for paid calls, by tenant; a tenant not named has none.
+    #[serde(default)]
+    pub budgets: BTreeMap<String, Budget>,
 }
 
 /// How to reach one provider and what it can do.
@@ -70,10 +74,15 @@ pub struct ProviderSpec {
     /// protocol (docs/catalog.md, "Dialects"); absent: the protocol.
     #[serde(default)]
     pub dialect: Option<DialectSpec>,
-    /// What one call to this provider costs, in the currency's minor unit (cents);
-    /// a step's own `price_per_call_minor` overrides it.
+    /// What one call to this provider costs, in the currency's minor unit (cents,
+    /// to six decimals); a step's own `price_per_call_minor` overrides it.
     #[serde(default)]
-    pub price_per_call_minor: Option<i64>,
+    pub price_per_call_minor: Option<Amount>,
+    /// Prices per unit of what an answer reports it used, by the names the
+    /// dialect's `answer.usage` reads (`{"prompt_tokens": 0.00025}`: $2.50 a
+    /// million), added to each call's cost.
+    #[serde(default)]
+    pub usage_prices: BTreeMap<String, Amount>,
 }
 
 /// TLS settings of one provider. Paths are read when a service starts; relative
@@ -193,7 +202,7 @@ pub struct StepSpec {
     pub approval_signal: Option<String>,
     /// What one call of this step costs, in the currency's minor unit; default its provider's.
     #[serde(default)]
-    pub price_per_call_minor: Option<i64>,
+    pub price_per_call_minor: Option<Amount>,
     /// A standing decision for a call whose outcome nobody can establish; absent:
     /// a person decides (docs/catalog.md, "A standing decision for cheap steps").
     #[serde(default)]
@@ -216,7 +225,7 @@ pub struct SendAgainSpec {
     /// Extra charges (new operations) the policy may make per task.
     pub max_extra_charges: i64,
     /// What those extra charges may cost in all per task, in the currency's minor unit.
-    pub max_extra_cost_minor: i64,
+    pub max_extra_cost_minor: Amount,
 }
 
 impl StepSpec {
@@ -378,6 +387,16 @@ impl Catalog {
                     "provider `{name}`: tls.client_certificate_file and tls.client_key_file go together"
                 )));
             }
+            let reads = provider.dialect.as_ref().map(|d| &d.answer.usage);
+            for priced in provider.usage_prices.keys() {
+                if !reads.is_some_and(|reads| reads.contains_key(priced)) {
+                    return Err(Error(format!(
+                        "provider `{name}`: usage_prices: `{priced}` is no count its answers carry (the dialect's \
+                         answer.usage names {})",
+                        reads.map_or("none".to_owned(), |r| r.keys().cloned().collect::<Vec<_>>().join(", "))
+                    )));
+                }
+            }
             if provider.concurrency == 0 || provider.rate_per_second <= 0.0 || provider.burst < 1.0 {
                 return Err(Error(format!(
                     "provider `{name}`: concurrency, rate_per_second and burst must be positive"
@@ -466,8 +485,8 @@ impl Catalog {
                     step.name.clone(),
                     SendAgain {
                         max_extra_charges: u32::try_from(limits.max_extra_charges).ok()?,
-                        max_extra_cost_minor: u64::try_from(limits.max_extra_cost_minor).ok()?,
-                        price_per_call_minor: u64::try_from(price).ok()?,
+                        max_extra_cost: limits.max_extra_cost_minor,
+                        price_per_call: price,
                     },
                 ))
             })
@@ -475,8 +494,13 @@ impl Catalog {
     }
 
     /// What one call of `step` costs: its own price, else its provider's.
-    pub fn price_per_call_minor(&self, step: &StepSpec) -> Option<i64> {
+    pub fn price_per_call_minor(&self, step: &StepSpec) -> Option<Amount> {
         step.price_per_call_minor.or_else(|| self.provider(step.call()?.0)?.price_per_call_minor)
+    }
+
+    /// The daily budget of `tenant`'s paid calls, if it has one.
+    pub fn budget_of(&self, tenant: &str) -> Option<&Budget> {
+        self.budgets.get(tenant)
     }
 
     pub fn kind(&self, kind: &str) -> Option<&KindSpec> {
@@ -493,13 +517,8 @@ impl Catalog {
 /// below one call's price (it could never send).
 fn check_standing_decision(catalog: &Catalog, kind: &str, step: &StepSpec) -> Result<(), Error> {
     let at = |field: &str, why: String| Error(format!("kind `{kind}` step `{}`: {field}: {why}", step.name));
-    if let Some(price) = step.price_per_call_minor {
-        if step.call().is_none() {
-            return Err(at("price_per_call_minor", "an approval step makes no call to price".into()));
-        }
-        if price < 0 {
-            return Err(at("price_per_call_minor", format!("a price cannot be negative, not {price}")));
-        }
+    if step.price_per_call_minor.is_some() && step.call().is_none() {
+        return Err(at("price_per_call_minor", "an approval step makes no call to price".into()));
     }
     let Some(on_unknown) = &step.on_unknown else { return Ok(()) };
     let Some((provider, _)) = step.call() else {
@@ -512,11 +531,8 @@ fn check_standing_decision(catalog: &Catalog, kind: &str, step: &StepSpec) -> Re
             format!("must be at least 1, not {}", limits.max_extra_charges),
         ));
     }
-    if limits.max_extra_cost_minor < 1 {
-        return Err(at(
-            "on_unknown.send_again.max_extra_cost_minor",
-            format!("must be at least 1, not {}", limits.max_extra_cost_minor),
-        ));
+    if limits.max_extra_cost_minor == Amount::ZERO {
+        return Err(at("on_unknown.send_again.max_extra_cost_minor", "must be more than 0".into()));
     }
     let Some(price) = catalog.price_per_call_minor(step) else {
         return Err(at(
@@ -526,9 +542,6 @@ fn check_standing_decision(catalog: &Catalog, kind: &str, step: &StepSpec) -> Re
             ),
         ));
     };
-    if price < 0 {
-        return Err(Error(format!("provider `{provider}`: price_per_call_minor cannot be negative, not {price}")));
-    }
     if price > limits.max_extra_cost_minor {
         return Err(at(
             "on_unknown.send_again.max_extra_cost_minor",
@@ -673,12 +686,13 @@ mod tests {
         let text =
             with_standing_decision(serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy}));
         let catalog = Catalog::parse(&text).expect("valid");
-        let expected = SendAgain { max_extra_charges: 2, max_extra_cost_minor: 20, price_per_call_minor: 10 };
+        let expected =
+            SendAgain { max_extra_charges: 2, max_extra_cost: Amount::from_minor(20), price_per_call: Amount::from_minor(10) };
         assert_eq!(catalog.send_again("ticket.triage"), vec![("classify".to_owned(), expected)]);
         let own =
             serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": 4, "on_unknown": policy});
         let catalog = Catalog::parse(&with_standing_decision(own)).expect("valid");
-        assert_eq!(catalog.send_again("ticket.triage")[0].1.price_per_call_minor, 4);
+        assert_eq!(catalog.send_again("ticket.triage")[0].1.price_per_call, Amount::from_minor(4));
         assert!(
             Catalog::parse(GOOD).expect("valid").send_again("ticket.triage").is_empty(),
             "absent: a person decides"
@@ -694,8 +708,12 @@ mod tests {
                 "kind `ticket.triage` step `classify`: on_unknown.send_again.max_extra_charges: must be at least 1, not 0",
             ),
             (
+                serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy(2, 0)}),
+                "kind `ticket.triage` step `classify`: on_unknown.send_again.max_extra_cost_minor: must be more than 0",
+            ),
+            (
                 serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy(2, -5)}),
-                "kind `ticket.triage` step `classify`: on_unknown.send_again.max_extra_cost_minor: must be at least 1, not -5",
+                "-5 is not an amount in the currency's minor unit",
             ),
             (
                 serde_json::json!({"name": "classify", "approval_signal": "go", "on_unknown": policy(2, 20)}),
@@ -703,7 +721,7 @@ mod tests {
             ),
             (
                 serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": -1}),
-                "kind `ticket.triage` step `classify`: price_per_call_minor: a price cannot be negative",
+                "-1 is not an amount in the currency's minor unit",
             ),
             (
                 serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": 30, "on_unknown": policy(2, 20)}),
@@ -724,6 +742,33 @@ mod tests {
         unpriced["providers"]["llm"].as_object_mut().map(|llm| llm.remove("price_per_call_minor"));
         let err = Catalog::parse(&unpriced.to_string()).expect_err("no price").to_string();
         assert!(err.contains("step `classify`: on_unknown.send_again: needs a price_per_call_minor"), "{err}");
+    }
+
+    #[test]
+    fn prices_and_budgets_are_read_and_a_price_for_a_count_no_answer_carries_is_refused() {
+        let mut catalog: serde_json::Value = serde_json::from_str(&with_dialect(
+            serde_json::json!({"request": {"path": "/v1/chat/completions", "body": "{}"},
+                               "answer": {"result": "/choices/0/message",
+                                          "usage": {"prompt_tokens": "/usage/prompt_tokens"}}}),
+            serde_json::json!({}),
+        ))
+        .expect("json");
+        catalog["providers"]["llm"]["usage_prices"] = serde_json::json!({"prompt_tokens": 0.00025});
+        catalog["providers"]["llm"]["price_per_call_minor"] = serde_json::json!(0.79);
+        catalog["budgets"] = serde_json::json!({"acme": {"per_day_minor": 500}});
+        let parsed = Catalog::parse(&catalog.to_string()).expect("valid");
+        let llm = parsed.provider("llm").expect("llm");
+        assert_eq!(llm.usage_prices["prompt_tokens"], Amount::from_micros(250));
+        assert_eq!(llm.price_per_call_minor, Some(Amount::from_micros(790_000)));
+        assert_eq!(parsed.budget_of("acme").map(|b| b.per_day_minor), Some(Amount::from_minor(500)));
+        assert_eq!(parsed.budget_of("globex"), None);
+        catalog["providers"]["llm"]["usage_prices"] = serde_json::json!({"output_tokens": 0.001});
+        let err = Catalog::parse(&catalog.to_string()).expect_err("an unread count").to_string();
+        assert!(
+            err.contains("provider `llm`: usage_prices: `output_tokens` is no count its answers carry") &&
+                err.contains("names prompt_tokens"),
+            "{err}"
+        );
     }
 
     /// A catalogue with an OpenAI-compatible chat provider and a kind that drafts

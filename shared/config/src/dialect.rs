@@ -116,6 +116,10 @@ pub struct DialectAnswer {
     /// the error type named a class. It never makes a 5xx or a 409 safe.
     #[serde(default)]
     pub should_retry_header: Option<String>,
+    /// What a done answer reports it used, by name, each a pointer to a count
+    /// (`{"prompt_tokens": "/usage/prompt_tokens"}`): what `usage_prices` price.
+    #[serde(default)]
+    pub usage: BTreeMap<String, String>,
 }
 
 /// Which statuses mean what; the defaults are the protocol's error table.
@@ -264,6 +268,7 @@ impl DialectSpec {
         pointers.extend(answer.state.as_deref().map(|p| ("answer.state", p)));
         pointers.extend(answer.error_type.as_deref().map(|p| ("answer.error_type", p)));
         pointers.extend(self.poll.as_ref().and_then(|p| p.url.as_deref()).map(|p| ("poll.url", p)));
+        pointers.extend(answer.usage.values().map(|p| ("answer.usage", p.as_str())));
         pointers
     }
 

@@ -8,5 +8,6 @@ pub mod lifecycle;
 pub mod limits;
 pub mod outbox;
 pub mod progress;
+pub mod spend;
 pub mod standing;
 pub mod vocabulary;

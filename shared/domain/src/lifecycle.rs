@@ -705,11 +705,11 @@ impl Task {
                     return self.finish(TaskState::Cancelled, &format!("cancelled; {reason}"));
                 }
                 match self.standing_decision(now, p) {
-                    Some((step, policy, OnUnknown::SendAgain { charge, cost_minor })) => {
+                    Some((step, policy, OnUnknown::SendAgain { charge, cost })) => {
                         // Exactly what a person's `retry_as_new` does, decided in advance.
                         self.sent_again.insert(step.clone(), charge);
                         self.resolved(ResolutionAction::RetryAsNew, None, now);
-                        self.reason = Some(standing::evidence(&step, &policy, charge, cost_minor));
+                        self.reason = Some(standing::evidence(&step, &policy, charge, cost));
                     }
                     Some((_, _, OnUnknown::AskAPerson { why: Some(why) })) => {
                         self.finish(TaskState::OutcomeUnknown, &format!("{reason}; {why}"));
@@ -1602,7 +1602,11 @@ mod tests {
         inputs.into_iter().fold(task.clone(), |task, input| task.apply(input, now, p).task)
     }
 
-    const TWO_EXTRA: SendAgain = SendAgain { max_extra_charges: 2, max_extra_cost_minor: 20, price_per_call_minor: 10 };
+    const TWO_EXTRA: SendAgain = SendAgain {
+        max_extra_charges: 2,
+        max_extra_cost: crate::spend::Amount::from_minor(20),
+        price_per_call: crate::spend::Amount::from_minor(10),
+    };
 
     #[test]
     fn a_standing_decision_sends_again_twice_then_asks_a_person() {
@@ -1678,7 +1682,11 @@ mod tests {
             at_policy_step in prop::collection::vec(any::<bool>(), 1..12),
             person_retries in any::<bool>(),
         ) {
-            let policy = SendAgain { max_extra_charges, max_extra_cost_minor, price_per_call_minor };
+            let policy = SendAgain {
+                max_extra_charges,
+                max_extra_cost: crate::spend::Amount::from_minor(max_extra_cost_minor as i64),
+                price_per_call: crate::spend::Amount::from_minor(price_per_call_minor as i64),
+            };
             let p = with_policy("classify", policy);
             let mut task = Task::accepted(0, None, None);
             let (mut by_policy, mut spent) = (0u32, 0u64);

@@ -213,6 +213,11 @@ pub struct StepCheckpointed {
     pub generation: Option<i32>,
     /// The step's output as JSON text; `None` from writers before it was sent.
     pub output_json: Option<String>,
+    /// The provider the step called; `None` from writers before it was sent.
+    pub provider: Option<String>,
+    /// What the call cost as the catalogue prices it, in millionths of the
+    /// currency's minor unit (`fenceline_domain::spend::Amount`); `None` unpriced.
+    pub cost_micros: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

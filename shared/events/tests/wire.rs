@@ -154,6 +154,8 @@ fn samples() -> Vec<Event> {
             checkpointed_at: at(17),
             generation: Some(0),
             output_json: Some(r#"{"category":"refund"}"#.into()),
+            provider: Some("llm".into()),
+            cost_micros: Some(1_004_750),
         }
         .into(),
         AwaitingSignal {
@@ -466,7 +468,7 @@ fn a_record_from_a_writer_without_a_new_optional_field_reads_with_its_default() 
 }
 
 /// Bytes the first versions of `StepCheckpointed` (before it carried the step's
-/// output) and `SignalReceived` (before a signal named its wait and decision)
+/// output, and before it carried the call's provider and cost) and `SignalReceived` (before a signal named its wait and decision)
 /// wrote, kept byte for byte: they still decode, the new fields absent.
 #[test]
 fn records_written_before_outputs_and_decisions_travelled_still_decode() {
@@ -477,7 +479,10 @@ fn records_written_before_outputs_and_decisions_travelled_still_decode() {
     else {
         panic!("StepCheckpointed v1 bytes do not decode")
     };
-    assert_eq!(read, StepCheckpointed { generation: None, output_json: None, ..sample });
+    assert_eq!(read, StepCheckpointed { generation: None, output_json: None, provider: None, cost_micros: None, ..sample.clone() });
+    let v2 = std::fs::read(golden_dir().join("history/StepCheckpointed.v2.bin")).expect("v2 golden");
+    let Ok(Event::StepCheckpointed(read)) = decode(&v2) else { panic!("StepCheckpointed v2 bytes do not decode") };
+    assert_eq!(read, StepCheckpointed { provider: None, cost_micros: None, ..sample });
     let v1 = std::fs::read(golden_dir().join("history/SignalReceived.v1.bin")).expect("v1 golden");
     let (Ok(Event::SignalReceived(read)), Event::SignalReceived(sample)) = (decode(&v1), sample_of("SignalReceived"))
     else {

@@ -183,17 +183,19 @@ impl Dialect {
         let Some(result) = json.pointer(&answer.result) else {
             return Reading::unreadable(format!("the {status} answer holds no result at `{}`", answer.result));
         };
-        match answer.result_form {
-            ResultForm::Inline => match inline_result(result, self.spec.max_inline_result_bytes) {
-                Ok(result) => Reading::of(CallAnswer::Done { request_id, result }),
-                Err(why) => Reading::unreadable(why),
-            },
+        let read = match answer.result_form {
+            ResultForm::Inline => inline_result(result, self.spec.max_inline_result_bytes),
             ResultForm::Artifact => match serde_json::from_value::<ProviderResult>(result.clone()) {
-                Ok(result) if !result.uri.contains('\0') && !result.sha256.contains('\0') => {
-                    Reading::of(CallAnswer::Done { request_id, result })
-                }
-                _ => Reading::unreadable("the result is not {\"uri\", \"sha256\", \"size_bytes\"}".to_owned()),
+                Ok(result) if !result.uri.contains('\0') && !result.sha256.contains('\0') => Ok(result),
+                _ => Err("the result is not {\"uri\", \"sha256\", \"size_bytes\"}".to_owned()),
             },
+        };
+        match read {
+            Ok(mut result) => {
+                result.usage = usage_of(&json, &answer.usage);
+                Reading::of(CallAnswer::Done { request_id, result })
+            }
+            Err(why) => Reading::unreadable(why),
         }
     }
 
@@ -283,6 +285,15 @@ pub fn reset_duration(value: &str, now: SystemTime) -> Option<Duration> {
 /// Fenceline hashes an inline result by, as it digests what a person approved.
 pub use fenceline_domain::approvals::canonical_json;
 
+/// The counts a done answer reports at the dialect's `answer.usage` pointers; a
+/// count that is absent or not a whole number is left out.
+fn usage_of(json: &Value, pointers: &std::collections::BTreeMap<String, String>) -> std::collections::BTreeMap<String, u64> {
+    pointers
+        .iter()
+        .filter_map(|(name, pointer)| Some((name.clone(), json.pointer(pointer)?.as_u64()?)))
+        .collect()
+}
+
 /// An inline result: the value, its size and sha256 by its canonical text. Above
 /// `limit` bytes, or with text Postgres cannot store (a NUL character), it is
 /// refused: the work happened, but nothing of it can be kept.
@@ -299,6 +310,7 @@ pub fn inline_result(value: &Value, limit: u64) -> Result<ProviderResult, String
         sha256: hex::encode(Sha256::digest(text.as_bytes())),
         size_bytes: i64::try_from(text.len()).unwrap_or(i64::MAX),
         inline: Some(value.clone()),
+        usage: std::collections::BTreeMap::new(),
     })
 }
 
@@ -343,7 +355,9 @@ mod tests {
             },
             "answer": {
                 "request_id": "/id", "result": "/choices/0/message", "error_type": "/error/type",
-                "error_classes": {"insufficient_quota": "not_authorised"}
+                "error_classes": {"insufficient_quota": "not_authorised"},
+                "usage": {"prompt_tokens": "/usage/prompt_tokens", "completion_tokens": "/usage/completion_tokens",
+                          "cached_tokens": "/usage/prompt_tokens_details/cached_tokens"}
             },
             "throttling": {"reset_headers": ["x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"]}
         }))
@@ -426,6 +440,8 @@ mod tests {
             r#"{"annotations":[],"content":"Hello! How can I help?","refusal":null,"role":"assistant"}"#
         );
         assert_eq!(result.sha256, hex::encode(Sha256::digest(canonical.as_bytes())));
+        let usage: Vec<(&str, u64)> = result.usage.iter().map(|(name, n)| (name.as_str(), *n)).collect();
+        assert_eq!(usage, [("completion_tokens", 10), ("prompt_tokens", 19)], "a count the answer lacks is left out");
         assert_eq!(result.size_bytes, canonical.len() as i64);
     }
 

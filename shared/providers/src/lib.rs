@@ -31,6 +31,10 @@ pub struct ProviderResult {
     /// needs no download.
     #[serde(skip)]
     pub inline: Option<serde_json::Value>,
+    /// What the answer reported it used, by the names the dialect's `answer.usage`
+    /// gives (tokens); empty for the protocol.
+    #[serde(skip)]
+    pub usage: std::collections::BTreeMap<String, u64>,
 }
 
 /// What starting or polling an operation came to.

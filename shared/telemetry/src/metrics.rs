@@ -36,6 +36,7 @@ pub mod names {
     pub const LEASES_TAKEN_OVER: &str = "fenceline_executor_leases_taken_over";
     pub const PROVIDER_CALLS: &str = "fenceline_provider_calls";
     pub const PROVIDER_CHARGES: &str = "fenceline_provider_charges";
+    pub const PROVIDER_SPEND: &str = "fenceline_provider_spend";
     pub const OPEN_CASES: &str = "fenceline_reconciler_open_cases";
     pub const AUDIT_FINDINGS: &str = "fenceline_audit_findings";
     pub const HTTP_DURATION: &str = "fenceline_http_request_duration_seconds";
@@ -128,6 +129,7 @@ pub struct Metrics {
     pub leases_taken_over: Counter,
     pub provider_calls: Family<ProviderCallLabels, Counter>,
     pub provider_charges: Family<ProviderLabels, Counter>,
+    pub provider_spend: Family<ProviderLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub open_cases: Family<StateLabels, Gauge>,
     pub audit_findings: Family<FindingLabels, Gauge>,
     pub http_duration: Histograms<HttpLabels>,
@@ -161,6 +163,7 @@ impl Metrics {
             leases_taken_over: Counter::default(),
             provider_calls: Family::default(),
             provider_charges: Family::default(),
+            provider_spend: Family::default(),
             open_cases: Family::default(),
             audit_findings: Family::default(),
             http_duration: Family::new_with_constructor(latency_buckets),
@@ -227,6 +230,11 @@ impl Metrics {
             PROVIDER_CHARGES,
             "Operations a provider reported done: each is work it charged for",
             m.provider_charges.clone(),
+        );
+        r.register(
+            PROVIDER_SPEND,
+            "What calls that did their work cost as the catalogue prices them, in the currency's minor unit",
+            m.provider_spend.clone(),
         );
         r.register(
             OPEN_CASES,

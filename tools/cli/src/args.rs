@@ -101,6 +101,16 @@ pub enum Command {
     /// With --watch, exit 0 when the task reaches the outcome chosen (accept-failed:
     /// failed; retry-as-new and attach-result: succeeded), 7 when it stops otherwise.
     Resolve(ResolveArgs),
+    /// What the tenant's paid calls cost, by UTC day and provider, and its daily
+    /// budget (`GET /v1/spend`); amounts in the currency's minor unit.
+    Spend {
+        /// Calls checkpointed at or after this instant (RFC 3339; default: the last 30 UTC days).
+        #[arg(long)]
+        since: Option<String>,
+        /// Calls checkpointed before this instant (RFC 3339; default: now).
+        #[arg(long)]
+        until: Option<String>,
+    },
     /// Lists what the reconciler's audit found: tasks without progress or without a
     /// live expectation (`GET /v1/audit`, with the audit token).
     Audit(AuditArgs),

@@ -48,6 +48,17 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
             action(out, json, &answer.text, &answer.parse()?)?;
             Ok(Exit::Ok)
         }
+        Command::Spend { since, until } => {
+            let query: Vec<(&str, String)> =
+                [("since", since), ("until", until)].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+            let answer = intake()?.get("/v1/spend", &query)?;
+            if json {
+                raw(out, &answer.text)?;
+            } else {
+                render::spend(out, &answer.parse()?)?;
+            }
+            Ok(Exit::Ok)
+        }
         Command::Approve(args) => decide(&intake()?, args, ApprovalDecision::Approve, json, out),
         Command::Reject(args) => decide(&intake()?, args, ApprovalDecision::Reject, json, out),
         Command::Resolve(args) => resolve(&intake()?, args, json, out),

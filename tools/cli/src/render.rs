@@ -61,6 +61,40 @@ pub struct StepOutput {
     pub output_ref: String,
     pub sha256: String,
     pub checkpointed_at: String,
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// In the currency's minor unit; absent when unpriced.
+    #[serde(default)]
+    pub cost_minor: Option<serde_json::Number>,
+}
+
+/// `GET /v1/spend`: a tenant's spend by UTC day and provider, and its budget.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Spend {
+    pub tenant: String,
+    pub since: String,
+    pub until: String,
+    pub calls: i64,
+    pub unpriced_calls: i64,
+    pub cost_minor: serde_json::Number,
+    pub by_day: Vec<SpendRow>,
+    pub budget: Option<SpendBudget>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct SpendRow {
+    pub day: String,
+    pub provider: String,
+    pub calls: i64,
+    pub unpriced_calls: i64,
+    pub cost_minor: serde_json::Number,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct SpendBudget {
+    pub per_day_minor: serde_json::Number,
+    pub spent_today_minor: serde_json::Number,
+    pub spent: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -129,7 +163,12 @@ fn indented(text: &str) -> String {
 
 /// One step's output: the artifact's link for a file result, else the value.
 fn step_output(out: &mut dyn Write, o: &StepOutput, limit: Option<usize>) -> Result<(), Error> {
-    writeln!(out, "  {} (generation {}, {}):", o.step, o.generation, o.checkpointed_at)?;
+    let cost = match (&o.provider, &o.cost_minor) {
+        (Some(provider), Some(cost)) => format!(", {provider}, cost {cost}"),
+        (Some(provider), None) => format!(", {provider}, unpriced"),
+        _ => String::new(),
+    };
+    writeln!(out, "  {} (generation {}, {}{cost}):", o.step, o.generation, o.checkpointed_at)?;
     match (&o.artifact_uri, &o.output) {
         (Some(uri), _) => writeln!(out, "    artifact {uri} (sha256 {})", o.sha256)?,
         (None, Some(value)) => writeln!(out, "{}", indented(&json_shown(value, limit)))?,
@@ -292,6 +331,34 @@ pub fn position(task: &TaskView) -> String {
         (Some(step), None) => step.clone(),
         _ => "-".into(),
     }
+}
+
+/// A tenant's spend: the total, its budget, then one line per day and provider.
+pub fn spend(out: &mut dyn Write, spend: &Spend) -> Result<(), Error> {
+    writeln!(
+        out,
+        "{}: {} calls, cost {} (minor unit) from {} to {}",
+        spend.tenant, spend.calls, spend.cost_minor, spend.since, spend.until
+    )?;
+    if spend.unpriced_calls > 0 {
+        writeln!(out, "{} of the calls have no price in the catalogue and count nothing", spend.unpriced_calls)?;
+    }
+    if let Some(budget) = &spend.budget {
+        let state = if budget.spent { "spent: new paid calls wait" } else { "new paid calls run" };
+        writeln!(out, "budget: {} of {} today (UTC); {state}", budget.spent_today_minor, budget.per_day_minor)?;
+    }
+    let mut table = new_table();
+    table.set_header(["DAY", "PROVIDER", "CALLS", "UNPRICED", "COST"]);
+    for row in &spend.by_day {
+        table.add_row([
+            row.day.clone(),
+            row.provider.clone(),
+            row.calls.to_string(),
+            row.unpriced_calls.to_string(),
+            row.cost_minor.to_string(),
+        ]);
+    }
+    write_table(out, &table)
 }
 
 /// Tasks, one line each.

@@ -118,7 +118,9 @@ async fn a_spent_budget_holds_the_tenants_new_calls_with_a_reason_until_it_is_ra
     let (mut system, acme, globex) = budgeted(25).await;
     let mut tasks = Vec::new();
     for n in 0..5 {
-        tasks.push(submit(&system, &acme, "image.generate", json!({"prompt": format!("lamp {n}")}), &format!("b-{n}")).await);
+        tasks.push(
+            submit(&system, &acme, "image.generate", json!({"prompt": format!("lamp {n}")}), &format!("b-{n}")).await,
+        );
     }
     // One call at a time at 10 each: the third brings the day to 30, past 25, and
     // the other two wait.

@@ -686,8 +686,11 @@ mod tests {
         let text =
             with_standing_decision(serde_json::json!({"name": "classify", "provider": "llm", "on_unknown": policy}));
         let catalog = Catalog::parse(&text).expect("valid");
-        let expected =
-            SendAgain { max_extra_charges: 2, max_extra_cost: Amount::from_minor(20), price_per_call: Amount::from_minor(10) };
+        let expected = SendAgain {
+            max_extra_charges: 2,
+            max_extra_cost: Amount::from_minor(20),
+            price_per_call: Amount::from_minor(10),
+        };
         assert_eq!(catalog.send_again("ticket.triage"), vec![("classify".to_owned(), expected)]);
         let own =
             serde_json::json!({"name": "classify", "provider": "llm", "price_per_call_minor": 4, "on_unknown": policy});
@@ -765,8 +768,8 @@ mod tests {
         catalog["providers"]["llm"]["usage_prices"] = serde_json::json!({"output_tokens": 0.001});
         let err = Catalog::parse(&catalog.to_string()).expect_err("an unread count").to_string();
         assert!(
-            err.contains("provider `llm`: usage_prices: `output_tokens` is no count its answers carry") &&
-                err.contains("names prompt_tokens"),
+            err.contains("provider `llm`: usage_prices: `output_tokens` is no count its answers carry")
+                && err.contains("names prompt_tokens"),
             "{err}"
         );
     }

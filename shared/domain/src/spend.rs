@@ -101,7 +101,11 @@ impl fmt::Display for Amount {
 /// dialect gives it) times its price per unit. `None` when the call has no price
 /// at all. A priced count the answer did not carry adds nothing, and is named in
 /// `unread` so that the caller can say so.
-pub fn cost(per_call: Option<Amount>, unit_prices: &BTreeMap<String, Amount>, usage: &BTreeMap<String, u64>) -> Option<Cost> {
+pub fn cost(
+    per_call: Option<Amount>,
+    unit_prices: &BTreeMap<String, Amount>,
+    usage: &BTreeMap<String, u64>,
+) -> Option<Cost> {
     if per_call.is_none() && unit_prices.is_empty() {
         return None;
     }
@@ -176,8 +180,8 @@ mod tests {
         {
             assert_eq!(Amount::from_micros(micros).to_string(), shown);
         }
-        let back: Amount = serde_json::from_value(serde_json::to_value(Amount::from_micros(790_000)).expect("json"))
-            .expect("amount");
+        let back: Amount =
+            serde_json::from_value(serde_json::to_value(Amount::from_micros(790_000)).expect("json")).expect("amount");
         assert_eq!(back, Amount::from_micros(790_000));
         assert_eq!(serde_json::to_value(Amount::from_minor(7)).expect("json"), json!(7));
     }

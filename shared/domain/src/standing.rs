@@ -70,8 +70,11 @@ mod tests {
 
     use super::*;
 
-    const TWO: SendAgain =
-        SendAgain { max_extra_charges: 2, max_extra_cost: Amount::from_minor(20), price_per_call: Amount::from_minor(10) };
+    const TWO: SendAgain = SendAgain {
+        max_extra_charges: 2,
+        max_extra_cost: Amount::from_minor(20),
+        price_per_call: Amount::from_minor(10),
+    };
 
     #[test]
     fn without_a_policy_a_person_decides() {
@@ -80,14 +83,23 @@ mod tests {
 
     #[test]
     fn a_policy_sends_again_until_either_limit_is_spent() {
-        assert_eq!(on_unknown("classify", Some(&TWO), 0), OnUnknown::SendAgain { charge: 1, cost: Amount::from_minor(10) });
-        assert_eq!(on_unknown("classify", Some(&TWO), 1), OnUnknown::SendAgain { charge: 2, cost: Amount::from_minor(20) });
+        assert_eq!(
+            on_unknown("classify", Some(&TWO), 0),
+            OnUnknown::SendAgain { charge: 1, cost: Amount::from_minor(10) }
+        );
+        assert_eq!(
+            on_unknown("classify", Some(&TWO), 1),
+            OnUnknown::SendAgain { charge: 2, cost: Amount::from_minor(20) }
+        );
         let OnUnknown::AskAPerson { why: Some(why) } = on_unknown("classify", Some(&TWO), 2) else {
             panic!("a spent policy asks a person")
         };
         assert!(why.contains("step `classify` is spent (2 extra charges made"), "{why}");
         let dear = SendAgain { price_per_call: Amount::from_minor(15), ..TWO };
-        assert_eq!(on_unknown("classify", Some(&dear), 0), OnUnknown::SendAgain { charge: 1, cost: Amount::from_minor(15) });
+        assert_eq!(
+            on_unknown("classify", Some(&dear), 0),
+            OnUnknown::SendAgain { charge: 1, cost: Amount::from_minor(15) }
+        );
         assert!(matches!(on_unknown("classify", Some(&dear), 1), OnUnknown::AskAPerson { why: Some(_) }));
     }
 

@@ -479,7 +479,10 @@ fn records_written_before_outputs_and_decisions_travelled_still_decode() {
     else {
         panic!("StepCheckpointed v1 bytes do not decode")
     };
-    assert_eq!(read, StepCheckpointed { generation: None, output_json: None, provider: None, cost_micros: None, ..sample.clone() });
+    assert_eq!(
+        read,
+        StepCheckpointed { generation: None, output_json: None, provider: None, cost_micros: None, ..sample.clone() }
+    );
     let v2 = std::fs::read(golden_dir().join("history/StepCheckpointed.v2.bin")).expect("v2 golden");
     let Ok(Event::StepCheckpointed(read)) = decode(&v2) else { panic!("StepCheckpointed v2 bytes do not decode") };
     assert_eq!(read, StepCheckpointed { provider: None, cost_micros: None, ..sample });

@@ -287,11 +287,11 @@ pub use fenceline_domain::approvals::canonical_json;
 
 /// The counts a done answer reports at the dialect's `answer.usage` pointers; a
 /// count that is absent or not a whole number is left out.
-fn usage_of(json: &Value, pointers: &std::collections::BTreeMap<String, String>) -> std::collections::BTreeMap<String, u64> {
-    pointers
-        .iter()
-        .filter_map(|(name, pointer)| Some((name.clone(), json.pointer(pointer)?.as_u64()?)))
-        .collect()
+fn usage_of(
+    json: &Value,
+    pointers: &std::collections::BTreeMap<String, String>,
+) -> std::collections::BTreeMap<String, u64> {
+    pointers.iter().filter_map(|(name, pointer)| Some((name.clone(), json.pointer(pointer)?.as_u64()?))).collect()
 }
 
 /// An inline result: the value, its size and sha256 by its canonical text. Above

@@ -324,3 +324,56 @@ async fn a_dialects_inline_result_is_shown_as_its_value_and_the_approval_rests_o
     assert_eq!(system.provider("payments").calls().await.len(), 1, "the refund ran once");
     assert_eq!(done["decisions"][0]["rests_on"]["draft"]["content"], "You said: refund 12.50 EUR for T-9");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_card_shows_the_refund_request_it_lets_run_with_its_amount_and_reference() {
+    let stripe = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = System::new(&[("llm", Caps::default()), ("payments", stripe)]).await;
+    let entry: Value = serde_json::from_slice(
+        &std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/dialects/stripe-refunds.json"))
+            .expect("the shipped entry"),
+    )
+    .expect("JSON");
+    for field in ["dialect", "capabilities"] {
+        system.set_provider_field("payments", field, entry[field].clone());
+    }
+    system.set_provider_field("payments", "auth_header_env", json!("FENCELINE_TEST_STRIPE_AUTHORIZATION"));
+    system.env.push(("FENCELINE_TEST_STRIPE_AUTHORIZATION", "Bearer sk_test_approvals".into()));
+    system.set_kinds(json!({
+        "ticket.triage": {"steps": [
+            {"name": "draft", "provider": "llm"},
+            {"name": "approve", "approval_signal": "refund_approved"},
+            {"name": "refund", "provider": "payments"}
+        ], "max_attempts": 4, "attempt_budget_ms": 60_000}
+    }));
+    system.spawn("intake", "intake", &[]).await;
+    system.spawn("scheduler", "scheduler", &[]).await;
+    system.spawn("executor", "executor", &[]).await;
+    let token = system.token("acme").await;
+    let task = submit(&system, &token, json!({"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa", "amount": 1250})).await;
+    let shown = read_until(&system, &token, task, "awaiting_approval", |b| {
+        b["approval"]["rests_on"].as_array().is_some_and(|r| r.len() == 1)
+    })
+    .await;
+    let card = &shown["approval"];
+
+    // What the approval lets happen, as Stripe will be sent it (its key made when the call is).
+    let refund = &card["then"][0];
+    assert_eq!((refund["step"].as_str(), refund["provider"].as_str()), (Some("refund"), Some("payments")));
+    assert_eq!(
+        refund["request"],
+        json!({"method": "POST", "path": "/v1/refunds",
+               "body": {"payment_intent": "pi_3MtwBwLkdIwHu7ix28a3tqPa", "amount": "1250"}}),
+        "{card:#}"
+    );
+    assert!(refund.get("request_error").is_none(), "{card:#}");
+    assert!(system.provider("payments").calls().await.is_empty(), "nothing is paid before the approval");
+
+    let approval = json!({"decided_by": "Ana", "digest": card["digest"]});
+    let (status, body) = decide(&system, &token, task, "approve", approval).await;
+    assert_eq!(status, 202, "{body}");
+    read_until(&system, &token, task, "succeeded", |_| true).await;
+    let calls = system.provider("payments").calls().await;
+    assert_eq!(calls.len(), 1, "the refund ran once");
+    assert_eq!(calls[0]["input"], refund["request"]["body"], "what was shown is what was sent");
+}

@@ -186,7 +186,7 @@ pub fn card(
             newest.insert(o.step.as_str(), o);
         }
     }
-    let rests_on = names.iter().filter_map(|n| newest.get(n.as_str()).map(|o| (*o).clone())).collect();
+    let rests_on: Vec<StepOutput> = names.iter().filter_map(|n| newest.get(n.as_str()).map(|o| (*o).clone())).collect();
     ApprovalCard {
         step: step.to_owned(),
         signal: signal.to_owned(),
@@ -194,6 +194,20 @@ pub fn card(
         digest,
         rests_on,
         then: kinds.next_after(kind, step),
+    }
+}
+
+/// Adds to a card the request that the step its approval lets run at once will
+/// send, rendered from the task's `input` and the outputs the card shows (later
+/// steps rest on outputs not made yet). The digest need not cover it: it follows
+/// from the input, which never changes, and the outputs, which the digest covers.
+pub fn show_request(kinds: &KindCatalog, card: &mut ApprovalCard, input: &serde_json::Value) {
+    let Some(next) = card.then.first_mut() else { return };
+    let shown = card.rests_on.iter().map(|o| (o.step.clone(), o.shown())).collect();
+    match kinds.request_shown(&next.provider, input, shown) {
+        Some(Ok(request)) => next.request = Some(request),
+        Some(Err(why)) => next.request_error = Some(why),
+        None => {}
     }
 }
 

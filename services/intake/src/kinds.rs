@@ -9,6 +9,7 @@ use std::path::Path;
 use fenceline_config::catalog::{Catalog, StepSpec};
 use fenceline_config::dialect::InputField;
 use fenceline_domain::ids::TaskId;
+use fenceline_providers::dialect::{Dialect, RequestBody};
 
 use crate::problem::ApiError;
 
@@ -26,6 +27,8 @@ pub struct KindCatalog {
     fills: HashMap<String, Vec<Fill>>,
     /// Daily budgets by tenant, from the catalogue.
     budgets: std::collections::BTreeMap<String, fenceline_domain::spend::Budget>,
+    /// The dialect of each provider that has one, compiled, to show requests.
+    dialects: HashMap<String, Dialect>,
 }
 
 /// An input field a step's request is built from.
@@ -37,11 +40,31 @@ struct Fill {
 }
 
 /// A step after an approval: what the approval lets happen next.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct NextStep {
     pub step: String,
     pub provider: String,
     pub operation: String,
+    /// For the step the approval lets run at once, at a provider with a dialect:
+    /// the request it will send, rendered from the task's input and the outputs
+    /// shown (for a refund: the amount and the reference).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RequestShown>,
+    /// Why that request cannot be rendered from what is known now (the task
+    /// would fail at the step, before sending anything).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_error: Option<String>,
+}
+
+/// A request as a dialect renders it, without its credentials or its key.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct RequestShown {
+    pub method: String,
+    /// Appended to the provider's base URL.
+    pub path: String,
+    /// The JSON body, or a form's fields as an object; absent without a body.
+    #[schema(value_type = Option<Object>)]
+    pub body: Option<serde_json::Value>,
 }
 
 /// An approval step: its name and the signal it waits for.
@@ -98,6 +121,13 @@ impl KindCatalog {
             .collect();
         self.approvals = Some(approvals);
         self.budgets = catalog.budgets.clone();
+        // The catalogue was checked at load: a dialect that would not compile here
+        // would not have passed, and is then simply not shown.
+        self.dialects = catalog
+            .providers
+            .iter()
+            .filter_map(|(name, spec)| Some((name.clone(), Dialect::new(spec.dialect.as_ref()?).ok()?)))
+            .collect();
         self.steps = catalog.kinds.iter().map(|(kind, spec)| (kind.clone(), spec.steps.clone())).collect();
         self.fills = catalog
             .kinds
@@ -153,9 +183,36 @@ impl KindCatalog {
                 step: s.name.clone(),
                 provider: provider.to_owned(),
                 operation: operation.to_owned(),
+                request: None,
+                request_error: None,
             });
         }
         next
+    }
+
+    /// The request `provider`'s dialect would send for a step given the task's
+    /// `input` and the earlier steps' `outputs` (by step name); `None` for a
+    /// provider of Fenceline's protocol, which is sent the input and outputs as
+    /// they are. The operation key is not shown: it is made when the call is.
+    pub fn request_shown(
+        &self,
+        provider: &str,
+        input: &serde_json::Value,
+        outputs: serde_json::Map<String, serde_json::Value>,
+    ) -> Option<Result<RequestShown, String>> {
+        let dialect = self.dialects.get(provider)?;
+        let envelope = serde_json::json!({ "task": input, "steps": outputs });
+        let context = Dialect::context(&envelope, "", "(made when the call is)");
+        let shown = || -> Result<RequestShown, String> {
+            let body = dialect.body(&context)?.map(|body| match body {
+                RequestBody::Json(json) => json,
+                RequestBody::Form(fields) => {
+                    fields.into_iter().map(|(name, value)| (name, serde_json::Value::String(value))).collect()
+                }
+            });
+            Ok(RequestShown { method: dialect.method(), path: dialect.path(&context)?, body })
+        };
+        Some(shown())
     }
 
     /// The kinds clients may submit that the catalogue does not declare.

@@ -544,7 +544,9 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
     let outputs = crate::decisions::outputs(&mut conn, task_id).await?;
     if let (Some(step), Some(signal)) = (view.step.clone(), view.awaiting_signal.clone()) {
         let generation = crate::decisions::generation(&mut conn, task_id).await?;
-        view.approval = Some(crate::decisions::card(kinds, &view.kind, &step, &signal, generation, &outputs));
+        let mut card = crate::decisions::card(kinds, &view.kind, &step, &signal, generation, &outputs);
+        crate::decisions::show_request(kinds, &mut card, view.input.as_ref().unwrap_or(&serde_json::Value::Null));
+        view.approval = Some(card);
     }
     view.steps = Some(outputs);
     view.decisions = Some(crate::decisions::recorded(&mut conn, task_id).await?);

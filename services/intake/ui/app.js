@@ -391,7 +391,10 @@
   /** What an approval lets happen next and the outputs it rests on. */
   function approvalFacts(card) {
     const next = (card.then || []).length
-      ? card.then.map((n) => el('li', {}, 'runs ', el('strong', { text: n.step }), ' at ' + n.provider + ' (' + n.operation + ')'))
+      ? card.then.map((n) => el('li', {}, 'runs ', el('strong', { text: n.step }), ' at ' + n.provider + ' (' + n.operation + ')',
+        n.request ? el('div', { class: 'request' }, 'sends ', el('code', { text: n.request.method + ' ' + n.request.path }),
+          n.request.body !== undefined && n.request.body !== null ? jsonBlock(n.request.body) : null) : null,
+        n.request_error ? el('p', { class: 'error', text: 'Its request cannot be built from what is known now: ' + n.request_error }) : null))
       : [el('li', { text: 'lets the task go on; no paid step follows before the next approval' })];
     return el('div', { class: 'approval-facts' },
       el('p', {}, 'Approving step ', el('strong', { text: card.step }), ' (generation ' + card.generation + ', signal ' + card.signal + '):'),

@@ -27,6 +27,14 @@ pub struct Dialect {
     error_classes: BTreeMap<String, ErrorClass>,
 }
 
+/// A request's body before it is encoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestBody {
+    Json(Value),
+    /// A form's fields, in the dialect's order.
+    Form(Vec<(String, String)>),
+}
+
 /// A request rendered from the templates, ready to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RenderedRequest {
@@ -93,7 +101,7 @@ impl Dialect {
     /// JSON) means nothing is sent.
     pub fn request(&self, context: &Value, operation_key: &str) -> Result<RenderedRequest, String> {
         let request = &self.spec.request;
-        let path = self.render(PATH, context)?;
+        let path = self.path(context)?;
         let mut headers = Vec::new();
         for name in request.headers.keys() {
             headers.push((name.clone(), self.render(&format!("request.headers.{name}"), context)?));
@@ -101,21 +109,38 @@ impl Dialect {
         if let Some(header) = &self.spec.idempotency_header {
             headers.push((header.clone(), operation_key.to_owned()));
         }
-        let body = if request.body.is_some() {
+        let body = self.body(context)?.map(|body| match body {
+            RequestBody::Json(json) => (serde_json::to_vec(&json).unwrap_or_default(), "application/json"),
+            RequestBody::Form(fields) => (form_urlencoded(&fields).into_bytes(), "application/x-www-form-urlencoded"),
+        });
+        Ok(RenderedRequest { method: self.method(), path, headers, body })
+    }
+
+    /// The request's method, upper case.
+    pub fn method(&self) -> String {
+        self.spec.request.method.to_ascii_uppercase()
+    }
+
+    /// The request's path, rendered.
+    pub fn path(&self, context: &Value) -> Result<String, String> {
+        self.render(PATH, context)
+    }
+
+    /// The request's body before it is encoded, rendered; `None` without one.
+    pub fn body(&self, context: &Value) -> Result<Option<RequestBody>, String> {
+        let request = &self.spec.request;
+        if request.body.is_some() {
             let text = self.render(BODY, context)?;
             let json: Value =
                 serde_json::from_str(&text).map_err(|e| format!("{BODY} did not render to JSON ({e}): {text}"))?;
-            Some((serde_json::to_vec(&json).unwrap_or_default(), "application/json"))
-        } else if let Some(form) = &request.form {
-            let mut fields = Vec::new();
-            for name in form.keys() {
-                fields.push((name.clone(), self.render(&format!("request.form.{name}"), context)?));
-            }
-            Some((form_urlencoded(&fields).into_bytes(), "application/x-www-form-urlencoded"))
-        } else {
-            None
-        };
-        Ok(RenderedRequest { method: request.method.to_ascii_uppercase(), path, headers, body })
+            return Ok(Some(RequestBody::Json(json)));
+        }
+        let Some(form) = &request.form else { return Ok(None) };
+        let mut fields = Vec::new();
+        for name in form.keys() {
+            fields.push((name.clone(), self.render(&format!("request.form.{name}"), context)?));
+        }
+        Ok(Some(RequestBody::Form(fields)))
     }
 
     /// The poll path of an accepted job, from the `poll.path` template.

@@ -68,6 +68,14 @@ pub struct StepOutput {
     pub cost_minor: Option<serde_json::Number>,
 }
 
+/// A request as the approval card shows it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestShown {
+    pub method: String,
+    pub path: String,
+    pub body: Option<serde_json::Value>,
+}
+
 /// `GET /v1/spend`: a tenant's spend by UTC day and provider, and its budget.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Spend {
@@ -102,6 +110,11 @@ pub struct NextStep {
     pub step: String,
     pub provider: String,
     pub operation: String,
+    /// The request the step will send, at a provider with a dialect.
+    #[serde(default)]
+    pub request: Option<RequestShown>,
+    #[serde(default)]
+    pub request_error: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -198,6 +211,15 @@ pub fn decided_on(out: &mut dyn Write, task: &TaskView, limit: Option<usize>) ->
         }
         for next in &card.then {
             writeln!(out, "  lets run: {} at {} ({})", next.step, next.provider, next.operation)?;
+            if let Some(request) = &next.request {
+                writeln!(out, "    sends {} {}", request.method, request.path)?;
+                if let Some(body) = &request.body {
+                    writeln!(out, "{}", indented(&indented(&json_shown(body, limit))))?;
+                }
+            }
+            if let Some(why) = &next.request_error {
+                writeln!(out, "    its request cannot be built from what is known now: {why}")?;
+            }
         }
         if card.rests_on.is_empty() {
             writeln!(out, "  rests on: no earlier output")?;
@@ -574,7 +596,8 @@ mod tests {
              "checkpointed_at": "2026-12-01T12:00:01Z"}
         ]);
         sample["approval"] = serde_json::json!({"step": "approve", "signal": "refund_approved", "generation": 0,
-            "digest": "d1", "rests_on": [], "then": [{"step": "refund", "provider": "payments", "operation": "refund"}]});
+            "digest": "d1", "rests_on": [], "then": [{"step": "refund", "provider": "payments", "operation": "refund",
+                "request": {"method": "POST", "path": "/v1/refunds", "body": {"amount": "1250", "payment_intent": "pi_1"}}}]});
         let task = view(sample);
         let mut out = Vec::new();
         decided_on(&mut out, &task, Some(SHOWN_BYTES)).expect("written");
@@ -583,6 +606,7 @@ mod tests {
         assert!(shown.contains("more bytes (--full shows all)") && shown.len() < 6_000, "bounded");
         assert!(shown.contains("artifact https://f/a.png"), "{shown}");
         assert!(shown.contains("lets run: refund at payments (refund)") && shown.contains("--digest d1"), "{shown}");
+        assert!(shown.contains("sends POST /v1/refunds") && shown.contains("\"amount\": \"1250\""), "{shown}");
         let mut out = Vec::new();
         decided_on(&mut out, &task, None).expect("written");
         assert!(String::from_utf8(out).expect("utf-8").contains(&"x".repeat(10_000)), "--full shows all");

@@ -458,6 +458,62 @@ async fn a_resolution_names_the_case_it_decides_and_is_refused_once_the_case_cha
     assert_eq!(signals, 2);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_keeps_who_made_it_their_note_and_the_evidence_it_was_made_on() {
+    let intake = start_intake().await;
+    let created =
+        call("POST", format!("{}/v1/tasks", intake.base), Some(intake.acme.clone()), Some("r"), Some(image("y"))).await;
+    let task_id = created.body["task_id"].as_str().expect("id").to_owned();
+    let token = Some(intake.acme.clone());
+    // The scheduler and the reconciler (simulated here) declared the outcome unknown, with evidence.
+    project(&intake, &task_id, "outcome_unknown", "case-7", 5).await;
+    let evidence = json!([{"source": "executor", "observed_at": 1_767_225_617_000_000i64,
+                           "finding": "the request left at 10:02:03; no answer within 30 s"}]);
+    sqlx::query("INSERT INTO task_cases (task_id, case_id, evidence, decided_at) VALUES ($1, 'case-7', $2, now())")
+        .bind(uuid::Uuid::parse_str(&task_id).expect("uuid"))
+        .bind(&evidence)
+        .execute(&intake.pool)
+        .await
+        .expect("case row");
+    let url = format!("{}/v1/tasks/{task_id}/resolution", intake.base);
+    let resolve = |body: Value| call("POST", url.clone(), token.clone(), None, Some(body.to_string()));
+    let nameless = resolve(json!({"case_id": "case-7", "action": "accept_failed", "decided_by": " "})).await;
+    assert_eq!((nameless.status, nameless.body["type"].as_str()), (400, Some("/problems/invalid-request")));
+    let decided = resolve(json!({"case_id": "case-7", "action": "accept_failed", "decided_by": "Rui Costa",
+                                 "note": "the gateway shows no message for this number"}))
+    .await;
+    assert_eq!(decided.status, 202, "{:?}", decided.body);
+
+    // After the case closed (the task failed, the reconciler's case gone), the record stays.
+    project(&intake, &task_id, "failed", "case-7", 6).await;
+    sqlx::query("DELETE FROM task_cases WHERE task_id = $1")
+        .bind(uuid::Uuid::parse_str(&task_id).expect("uuid"))
+        .execute(&intake.pool)
+        .await
+        .expect("case gone");
+    let read = call("GET", format!("{}/v1/tasks/{task_id}", intake.base), token.clone(), None, None).await;
+    let record = &read.body["resolved_cases"][0];
+    assert_eq!(
+        (record["case_id"].as_str(), record["action"].as_str(), record["decided_by"].as_str()),
+        (Some("case-7"), Some("accept_failed"), Some("Rui Costa")),
+        "{:#}",
+        read.body
+    );
+    assert_eq!(record["note"], "the gateway shows no message for this number");
+    assert!(record["token_identity"].as_str().is_some_and(|t| !t.is_empty()), "{record}");
+    assert!(record["decided_at"].is_string(), "{record}");
+    assert_eq!(record["evidence"][0]["finding"], "the request left at 10:02:03; no answer within 30 s", "{record}");
+    let events = task_events(&intake, 2).await;
+    let by: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match e {
+            fenceline_events::Event::ResolutionDecided(r) => Some(r.decided_by.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(by, ["Rui Costa"], "the event names the person");
+}
+
 /// A catalogue as the other services read it: `ticket.triage` waits for
 /// `refund_approved` between its calls, `image.generate` for no signal.
 fn catalogue_file() -> std::path::PathBuf {

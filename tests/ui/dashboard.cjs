@@ -165,6 +165,10 @@ async function main() {
     await page.check(card + ' input.acknowledge');
     assert.ok(await page.isEnabled(card + ' button.retry'), 'and enabled after it');
     await page.click(card + ' button.retry');
+    await page.waitForFunction((sel) => document.querySelector(sel + ' .outcome')?.textContent.includes('Name the person'), card);
+    await page.fill(card + ' input.decided-by', 'Rui Costa');
+    await page.fill(card + ' textarea.note', 'the provider shows no image for this key');
+    await page.click(card + ' button.retry');
     await page.waitForFunction((sel) => document.querySelector(sel + ' .outcome')?.textContent.includes('Recorded'), card);
     await waitState(page, unknown, 'succeeded');
     say('retried as new after the acknowledgement: succeeded');
@@ -185,6 +189,9 @@ async function main() {
     assert.equal(await page.$('img[src="x"]'), null, 'no injected element');
     await page.locator(approval).screenshot({ path: APPROVAL_SCREENSHOT });
     say('screenshot of the approval: ' + APPROVAL_SCREENSHOT);
+    // The name last used is offered again; without one, nothing is sent.
+    assert.equal(await page.inputValue(approval + ' input.decided-by'), 'Rui Costa');
+    await page.fill(approval + ' input.decided-by', '');
     await page.click(approval + ' button.approve');
     await page.waitForFunction((sel) => document.querySelector(sel + ' .outcome')?.textContent.includes('Name the person'), approval);
     await page.fill(approval + ' input.decided-by', 'Ana Lima');
@@ -225,6 +232,11 @@ async function main() {
     await page.waitForSelector(`#detail[data-task-id="${unknown}"] #timeline li[data-event="ResolutionDecided"]`);
     const resolution = await page.textContent('#timeline li[data-event="ResolutionDecided"]');
     assert.ok(resolution.includes('retry_as_new') && resolution.includes('second charge acknowledged'), resolution);
+    // The case stays on record after it closed: who, the note, the evidence decided on.
+    await page.waitForSelector('#detail-decided .resolved li');
+    const resolved = await page.textContent('#detail-decided .resolved li');
+    assert.ok(resolved.includes('Rui Costa') && resolved.includes('the provider shows no image'), resolved);
+    assert.ok(await page.$('#detail-decided .resolved li .evidence li'), 'with the evidence it was made on');
     await page.screenshot({ path: SCREENSHOT, fullPage: true });
     say('screenshot: ' + SCREENSHOT);
     assert.equal(loads, 1, 'the page never reloaded');

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
-use crate::auth::Tenant;
+use crate::auth::{Tenant, TokenIdentity};
 use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
 
@@ -237,6 +237,15 @@ pub struct Resolve {
     /// For `attach_result`: the result found elsewhere.
     #[serde(default)]
     pub result: Option<AttachedResult>,
+    /// Who decides: a person's name, recorded beside the token's identity
+    /// (default: the token's identity alone).
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 200)]
+    pub decided_by: Option<String>,
+    /// Why, in the person's words; kept with the resolution.
+    #[serde(default)]
+    #[schema(max_length = 4000)]
+    pub note: Option<String>,
 }
 
 /// A result found elsewhere, for `attach_result`.
@@ -260,10 +269,22 @@ pub async fn resolve(
     pool: &PgPool,
     outbox: &OutboxWriter,
     tenant: &Tenant,
+    identity: &TokenIdentity,
     task_id: TaskId,
-    who: &str,
     request: Resolve,
 ) -> Result<ActionAccepted, ApiError> {
+    let who = match request.decided_by.as_deref().map(str::trim) {
+        None => format!("tenant:{}", tenant.as_str()),
+        Some(name) if (1..=200).contains(&name.chars().count()) && !name.contains('\0') => name.to_owned(),
+        Some(_) => {
+            return Err(ApiError::InvalidRequest(
+                "decided_by: the name of the person who decides, 1 to 200 characters".into(),
+            ));
+        }
+    };
+    if request.note.as_ref().is_some_and(|note| note.chars().count() > 4000 || note.contains('\0')) {
+        return Err(ApiError::InvalidRequest("note: at most 4,000 characters of text".into()));
+    }
     let action: ResolutionAction =
         request.action.parse().map_err(|e| ApiError::InvalidRequest(format!("action: {e}")))?;
     if request.case_id.is_empty() || request.case_id.contains('\0') {
@@ -336,18 +357,24 @@ pub async fn resolve(
             request.case_id
         )));
     }
+    // What the person was shown: the case's evidence (the reconciler's, or the
+    // scheduler's reason for a task that needs a person), kept with the decision.
+    let evidence = crate::tasks::case_evidence(&mut tx, task_id, &state).await?;
     // The primary key (task, case) serialises two people deciding at once: the
     // second waits for the first and then finds its row.
     let inserted = sqlx::query(
-        "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by) \
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+        "INSERT INTO resolutions (task_id, case_id, action, charge_acknowledged, attached_result, decided_by, \
+         token_identity, note, evidence) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
     )
     .bind(task_id.as_uuid())
     .bind(&current)
     .bind(action.as_str())
     .bind(request.acknowledge_possible_charge)
     .bind(attached.clone().map(sqlx::types::Json))
-    .bind(who)
+    .bind(&who)
+    .bind(&identity.0)
+    .bind(request.note.as_deref())
+    .bind(sqlx::types::Json(&evidence))
     .execute(&mut *tx)
     .await?
     .rows_affected()
@@ -362,7 +389,7 @@ pub async fn resolve(
         action,
         charge_acknowledged: request.acknowledge_possible_charge,
         attached_result: attached,
-        decided_by: who.to_owned(),
+        decided_by: who,
         decided_at: Timestamp::now(),
     });
     outbox.append(&mut tx, topics::TASKS, None, &event).await?;

@@ -698,7 +698,7 @@ async fn resolve(
     body: web::Json<actions::Resolve>,
 ) -> Result<HttpResponse, ApiError> {
     let request = body.into_inner();
-    let accepted = actions::resolve(&pool, &state.outbox, &caller.0, task_id(&path)?, &who(&caller), request).await?;
+    let accepted = actions::resolve(&pool, &state.outbox, &caller.0, &caller.1, task_id(&path)?, request).await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
 

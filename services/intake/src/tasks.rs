@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::{Priority, RecoveryDecision, TaskState};
-use fenceline_events::{Event, TaskAccepted, Timestamp, topics};
+use fenceline_events::{ArtifactRef, Event, TaskAccepted, Timestamp, topics};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
@@ -352,6 +352,32 @@ pub struct TaskView {
     /// with what each was made on, oldest first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decisions: Option<Vec<crate::decisions::DecisionView>>,
+    /// Single reads only: every case a person resolved, oldest first, with who
+    /// resolved it, their note, and the evidence they were shown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_cases: Option<Vec<ResolvedCase>>,
+}
+
+/// A case a person resolved, as it stays on record after the task moved on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+pub struct ResolvedCase {
+    pub case_id: String,
+    /// `retry_as_new`, `accept_failed` or `attach_result`.
+    pub action: String,
+    pub charge_acknowledged: bool,
+    #[schema(value_type = Option<Object>)]
+    pub attached_result: Option<sqlx::types::Json<ArtifactRef>>,
+    /// The person's name, or the token's tenant when none was given.
+    pub decided_by: String,
+    /// The identity of the token used; absent for resolutions recorded before it was kept.
+    pub token_identity: Option<String>,
+    pub note: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub decided_at: OffsetDateTime,
+    /// The evidence the case showed when it was resolved (empty for resolutions
+    /// recorded before it was kept).
+    #[schema(value_type = Vec<EvidenceView>)]
+    pub evidence: sqlx::types::Json<Vec<EvidenceView>>,
 }
 
 /// One attempt as the executor reported it.
@@ -479,8 +505,40 @@ impl From<Row> for TaskView {
             steps: None,
             approval: None,
             decisions: None,
+            resolved_cases: None,
         }
     }
+}
+
+/// The evidence a task's open case shows in `state`: the reconciler's for
+/// `outcome_unknown`, and for `needs_human` the scheduler's reason, which is why
+/// it needs a person.
+pub(crate) async fn case_evidence(
+    conn: &mut sqlx::PgConnection,
+    task_id: TaskId,
+    state: &str,
+) -> Result<Vec<EvidenceView>, sqlx::Error> {
+    if state == TaskState::NeedsHuman.as_str() {
+        let reason: Option<(Option<String>, OffsetDateTime)> =
+            sqlx::query_as("SELECT reason, updated_at FROM task_view WHERE task_id = $1")
+                .bind(task_id.as_uuid())
+                .fetch_optional(&mut *conn)
+                .await?;
+        return Ok(reason
+            .map(|(finding, observed_at)| EvidenceView {
+                source: "scheduler".into(),
+                observed_at,
+                finding: finding.unwrap_or_default(),
+            })
+            .into_iter()
+            .collect());
+    }
+    let evidence: Option<sqlx::types::Json<Vec<fenceline_events::Evidence>>> =
+        sqlx::query_scalar("SELECT evidence FROM task_cases WHERE task_id = $1")
+            .bind(task_id.as_uuid())
+            .fetch_optional(&mut *conn)
+            .await?;
+    Ok(evidence.map(|e| e.0.into_iter().map(EvidenceView::from).collect()).unwrap_or_default())
 }
 
 /// The task as the caller's tenant sees it. Another tenant's task is not found,
@@ -493,28 +551,32 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
         .await?;
     let mut view = row.map(TaskView::from).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))?;
     if view.state == TaskState::OutcomeUnknown.as_str() {
-        let case: Option<(String, sqlx::types::Json<Vec<fenceline_events::Evidence>>)> =
-            sqlx::query_as("SELECT case_id, evidence FROM task_cases WHERE task_id = $1")
-                .bind(task_id.as_uuid())
-                .fetch_optional(pool)
-                .await?;
-        view.case = case.map(|(case_id, evidence)| CaseView {
-            case_id,
-            evidence: evidence.0.into_iter().map(EvidenceView::from).collect(),
-            resolutions: CaseView::resolutions(view.step.as_deref()),
-        });
+        let case_id: Option<String> = sqlx::query_scalar("SELECT case_id FROM task_cases WHERE task_id = $1")
+            .bind(task_id.as_uuid())
+            .fetch_optional(pool)
+            .await?;
+        if let Some(case_id) = case_id {
+            let evidence = case_evidence(&mut *pool.acquire().await?, task_id, &view.state).await?;
+            view.case = Some(CaseView { case_id, evidence, resolutions: CaseView::resolutions(view.step.as_deref()) });
+        }
     }
     // The scheduler names the case of a task that needs a person; its reason is the evidence.
     if view.state == TaskState::NeedsHuman.as_str()
         && let Some(case_id) = view.case_id.clone()
     {
-        let finding = view.reason.clone().unwrap_or_default();
-        view.case = Some(CaseView {
-            case_id,
-            evidence: vec![EvidenceView { source: "scheduler".into(), observed_at: view.updated_at, finding }],
-            resolutions: CaseView::resolutions(view.step.as_deref()),
-        });
+        let evidence = case_evidence(&mut *pool.acquire().await?, task_id, &view.state).await?;
+        view.case = Some(CaseView { case_id, evidence, resolutions: CaseView::resolutions(view.step.as_deref()) });
     }
+    view.resolved_cases = Some(
+        sqlx::query_as(
+            "SELECT case_id, action, charge_acknowledged, attached_result, decided_by, token_identity, note, \
+             decided_at, coalesce(evidence, '[]'::jsonb) AS evidence FROM resolutions WHERE task_id = $1 \
+             ORDER BY decided_at",
+        )
+        .bind(task_id.as_uuid())
+        .fetch_all(pool)
+        .await?,
+    );
     view.attempts = Some(
         sqlx::query_as(
             "SELECT attempt, outcome, error_class, detail, money_may_have_been_spent, recovery, started_at, ended_at \

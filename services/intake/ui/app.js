@@ -333,7 +333,8 @@
     $('detail-case').replaceChildren(...(task.case ? [evidenceList(task.case.evidence)] : []));
     $('detail-decided').replaceChildren(decidedOn(task),
       ...(task.approval ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
-      ...((task.decisions || []).length ? [el('strong', { text: 'Decisions' }), decisionList(task.decisions)] : []));
+      ...((task.decisions || []).length ? [el('strong', { text: 'Decisions' }), decisionList(task.decisions)] : []),
+      ...((task.resolved_cases || []).length ? [el('strong', { text: 'Resolved cases' }), resolvedList(task.resolved_cases)] : []));
     $('detail-attempts').replaceChildren(...(task.attempts || []).map((a) => el('tr', {},
       el('td', { text: String(a.attempt) }), el('td', { text: a.outcome }), el('td', { text: a.error_class || '' }),
       el('td', { text: a.detail || '' }),
@@ -415,6 +416,16 @@
       el('details', {}, el('summary', { text: 'What it rested on' }), jsonBlock(d.rests_on)))));
   }
 
+  /** Every case a person resolved, with who, their note and the evidence shown. */
+  function resolvedList(resolved) {
+    return el('ol', { class: 'resolved' }, resolved.map((r) => el('li', { 'data-case-id': r.case_id },
+      el('div', {}, 'Case ' + r.case_id + ' resolved with ', el('strong', { text: r.action.replace(/_/g, ' ') }), ' by ',
+        el('strong', { text: r.decided_by }), ' · ' + when(r.decided_at)),
+      r.token_identity ? el('div', { class: 'hint', text: 'token ' + r.token_identity }) : null,
+      r.note ? el('blockquote', { text: r.note }) : null,
+      (r.evidence || []).length ? el('details', {}, el('summary', { text: 'The evidence it was made on' }), evidenceList(r.evidence)) : null)));
+  }
+
   function evidenceList(evidence) {
     return el('ul', { class: 'evidence' }, (evidence || []).map((e) => el('li', {},
       el('span', { class: 'source', text: e.source }), ' (' + when(e.observed_at) + '): ', e.finding)));
@@ -456,11 +467,19 @@
   function caseCard(task, key) {
     const outcome = el('div', { class: 'outcome', role: 'status' });
     const buttons = [];
+    const name = el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name',
+      value: localStorage.getItem(NAME_KEY) || '' });
+    const note = el('textarea', { class: 'note', maxlength: '4000', rows: '2' });
     const send = async (body) => {
+      const who = name.value.trim();
+      if (!who) { outcome.textContent = 'Name the person who decides.'; name.focus(); return; }
+      localStorage.setItem(NAME_KEY, who);
       for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
+      const record = { case_id: task.case.case_id, decided_by: who };
+      if (note.value.trim()) record.note = note.value.trim();
       const { status, data } = await api('POST', '/v1/tasks/' + encodeURIComponent(task.task_id) + '/resolution',
-        Object.assign({ case_id: task.case.case_id }, body));
+        Object.assign(record, body));
       if (status === 202) {
         outcome.textContent = (data.repeated ? 'Already recorded: ' : 'Recorded: ') + body.action.replace(/_/g, ' ') +
           '. The task moves on when the scheduler applies it.';
@@ -495,6 +514,9 @@
       el('strong', { text: 'Evidence' }),
       evidenceList(task.case.evidence),
       decidedOn(task),
+      el('div', { class: 'actions' },
+        el('label', {}, 'Decided by ', name),
+        el('label', {}, 'Note ', note)),
       el('div', { class: 'actions' },
         el('div', { class: 'action' }, el('p', { text: says('retry_as_new') }),
           el('label', {}, acknowledge, ' I understand the provider may charge for this work again.'), retry),

@@ -249,6 +249,12 @@ pub struct ResolveArgs {
     /// attach-result: its size in bytes.
     #[arg(long, required_if_eq("action", "attach-result"))]
     pub size_bytes: Option<u64>,
+    /// Who decides: a person's name, recorded beside the token's identity.
+    #[arg(long = "as", value_name = "NAME")]
+    pub decided_by: Option<String>,
+    /// Why, in your words; kept with the resolution.
+    #[arg(long)]
+    pub note: Option<String>,
     /// Then follow the task as `watch` does, past the case this resolves.
     #[arg(long)]
     pub watch: bool,

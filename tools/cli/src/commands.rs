@@ -317,6 +317,12 @@ fn resolve(client: &Client, args: ResolveArgs, json: bool, out: &mut dyn Write) 
         "action": args.action.action().as_str(),
         "acknowledge_possible_charge": args.action == Resolution::RetryAsNew,
     });
+    if let Some(name) = &args.decided_by {
+        body["decided_by"] = json!(name);
+    }
+    if let Some(note) = &args.note {
+        body["note"] = json!(note);
+    }
     if args.action == Resolution::AttachResult {
         body["result"] = json!({ "uri": args.uri, "sha256": args.sha256, "size_bytes": args.size_bytes });
     } else if args.uri.is_some() || args.sha256.is_some() || args.size_bytes.is_some() {

@@ -46,6 +46,9 @@ pub struct TaskView {
     /// Single reads of a task in `awaiting_approval`: the card of its wait.
     #[serde(default)]
     pub approval: Option<ApprovalCard>,
+    /// Single reads: the cases people resolved.
+    #[serde(default)]
+    pub resolved_cases: Option<Vec<ResolvedCase>>,
     /// Single reads: the decisions people made about its waits.
     #[serde(default)]
     pub decisions: Option<Vec<DecisionView>>,
@@ -251,7 +254,44 @@ pub fn decided_on(out: &mut dyn Write, task: &TaskView, limit: Option<usize>) ->
             writeln!(out, "{}", indented(&indented(&json_shown(&d.rests_on, limit))))?;
         }
     }
+    if let Some(resolved) = task.resolved_cases.as_ref().filter(|r| !r.is_empty()) {
+        writeln!(
+            out,
+            "
+resolved cases:"
+        )?;
+        for r in resolved {
+            let token = r.token_identity.as_deref().map(|t| format!(" [{t}]")).unwrap_or_default();
+            writeln!(
+                out,
+                "  {}  case {} resolved with {} by {}{token}",
+                r.decided_at, r.case_id, r.action, r.decided_by
+            )?;
+            if let Some(note) = &r.note {
+                writeln!(out, "    note: {}", json_shown(&serde_json::Value::String(note.clone()), limit))?;
+            }
+            if !r.evidence.is_empty() {
+                writeln!(out, "    on the evidence:")?;
+            }
+            for e in &r.evidence {
+                writeln!(out, "      {} ({}): {}", e.source, e.observed_at, e.finding)?;
+            }
+        }
+    }
     Ok(())
+}
+
+/// A case a person resolved, as `get` shows it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResolvedCase {
+    pub case_id: String,
+    pub action: String,
+    pub decided_by: String,
+    pub token_identity: Option<String>,
+    pub note: Option<String>,
+    pub decided_at: String,
+    #[serde(default)]
+    pub evidence: Vec<EvidenceView>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

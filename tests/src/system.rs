@@ -198,6 +198,13 @@ impl FakeProvider {
     }
 
     /// Forgets every scripted misbehaviour: the provider behaves again.
+    /// Makes the provider forget every operation key, as once its idempotency
+    /// window has passed.
+    pub async fn forget_keys(&self) {
+        let (status, _) = http("POST", format!("{}/admin/forget-keys", self.base), None).await.expect("forget");
+        assert!((200..300).contains(&status), "keys not forgotten: {status}");
+    }
+
     pub async fn reset_rules(&self) {
         let (status, _) = http("DELETE", format!("{}/admin/rules", self.base), None).await.expect("rules");
         assert!((200..300).contains(&status), "rules not cleared: {status}");

@@ -149,6 +149,39 @@ async fn stripe_a_refund_whose_answer_a_gateway_lost_is_sent_again_with_its_key_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stripe_a_key_past_the_providers_memory_is_never_sent_again_and_a_person_decides() {
+    let caps = Caps { idempotency_keys: true, ..Caps::default() };
+    let mut system = vendor_system("stripe-refunds.json", "stripe", caps, "", "Bearer sk_test_fenceline").await;
+    // Stripe remembers a key for 24 h; here for 6 s, and the first answer, lost by a
+    // gateway, comes after 7 s: by then Stripe may have forgotten the key.
+    let mut dialect = shipped("stripe-refunds.json")["dialect"].clone();
+    dialect["idempotency_ttl_hours"] = json!(6.0 / 3_600.0);
+    system.set_provider_field("stripe", "dialect", dialect);
+    let stripe = system.provider("stripe");
+    stripe.rule(json!({"status_after_work": 504, "bare": true, "latency_ms": 7_000, "times": 1})).await;
+    system.spawn_all(None).await;
+    let task = system.submit("acme", "vendor.call", refund_input()).await;
+    let deadline = tokio::time::Instant::now() + LONG;
+    while system.provider("stripe").calls().await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the refund was never sent");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    system.provider("stripe").forget_keys().await;
+
+    assert_eq!(ends(&system, task).await, "outcome_unknown", "{:?}", system.state(task).await);
+    assert_eq!(settled(&system, "stripe").await, (1, 1), "the key was not sent again");
+    let findings = system.case_findings(task).await;
+    assert!(findings.iter().any(|f| f.contains("remembers an operation key for 6 s")), "{findings:#?}");
+
+    // A person who acknowledges a second charge sends a new operation, under a new key.
+    system.a_person_retries_as_new(task).await;
+    assert_eq!(system.wait_state(task, &FINAL, LONG).await, "succeeded");
+    let calls = system.provider("stripe").calls().await;
+    assert_eq!(calls.len(), 2, "{calls:#?}");
+    assert_ne!(calls[0]["operation_key"], calls[1]["operation_key"], "a new key, not the forgotten one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stripe_a_resend_while_the_first_request_runs_is_answered_409_and_waited_for_not_failed() {
     let caps = Caps { idempotency_keys: true, ..Caps::default() };
     let mut system = vendor_system("stripe-refunds.json", "stripe", caps, "", "Bearer sk_test_fenceline").await;

@@ -15,10 +15,12 @@ use std::time::Duration;
 
 use fenceline_bus::fault;
 use fenceline_config::catalog::StepSpec;
-use fenceline_domain::calls::{Backoff, CallOutcome, CallStage, NextMove, after_outcome, operation_key};
+use fenceline_domain::calls::{
+    Backoff, CallOutcome, CallStage, NextMove, after_outcome, key_forgotten, key_remembered, operation_key,
+};
 use fenceline_domain::spend::{self, Amount};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted};
+use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted, Timestamp};
 use fenceline_providers::{CallAnswer, HttpProvider, Lookup, ProviderResult, VerifyError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -114,10 +116,29 @@ impl Workers {
         // Whatever the earlier request under the key in doubt did, a provider that
         // dedupes answers from its memory of that key.
         let resend = doubt.filter(|_| capabilities.idempotency_keys);
-        let (key, seq) = resend.unwrap_or_else(|| {
+        let fresh = || {
             let generation = u32::try_from(lease.generation).unwrap_or_default();
             (operation_key(lease.task_id, &step.name, generation, u32::try_from(seq).unwrap_or_default()), seq)
-        });
+        };
+        let (mut key, mut seq) = resend.clone().unwrap_or_else(fresh);
+        // A provider that remembers keys for a while may take a key it forgot as
+        // new work: past its window a key is never sent again.
+        let memory = self.catalog.provider(provider_name).and_then(|p| p.key_memory());
+        let mut forgotten = None;
+        if let (Some(memory), true) = (memory, capabilities.idempotency_keys) {
+            let (first, now) =
+                crate::record::key_first_sent(&mut *self.pool.acquire().await?, lease, &step.name, &key).await?;
+            if let Some(first) = first.filter(|first| !key_remembered(*first, now, Some(memory))) {
+                let why = key_forgotten(provider_name, memory, &Timestamp(first).to_rfc3339());
+                if resend.is_some() {
+                    // A person's retry_as_new acknowledged a second charge: a new operation.
+                    warn!(task_id = %lease.task_id, step = %step.name, "{why}; a new operation is sent instead");
+                    (key, seq) = fresh();
+                } else {
+                    forgotten = Some(why);
+                }
+            }
+        }
         // No new paid call starts after the deadline. A key an earlier call sent
         // is no new call: sent again, a provider that dedupes answers from its
         // memory of the work that call may have done.
@@ -137,6 +158,12 @@ impl Workers {
             .record(lease, Transition::to(Phase::CallIntent).step(&step.name).call(&key, None).renewing(), &[intent])
             .await?;
         fault!("executor.after_call_intent");
+        if let Some(why) = forgotten {
+            // Not sent: the earlier request under this key may have done the work,
+            // and the provider may no longer know it. The reconciler asks a person.
+            self.fail(lease, ErrorClass::Ambiguous, &format!("{why}; not sent again"), None, true, None).await?;
+            return Ok(None);
+        }
         // Nothing has left yet. If the call may not start, say so with a fenced
         // write, so that no one has to wonder whether a call was made.
         if self.past_deadline_for(lease, ends, &key).await? {

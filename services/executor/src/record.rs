@@ -361,6 +361,25 @@ pub(crate) async fn sequence(tx: &mut PgConnection, lease: &Lease, step: &str) -
     .await
 }
 
+/// When `key` was first sent for the task's `step` (its first call intent), if it
+/// was, and the database's clock now, in microseconds.
+pub(crate) async fn key_first_sent(
+    conn: &mut PgConnection,
+    lease: &Lease,
+    step: &str,
+    key: &str,
+) -> Result<(Option<i64>, i64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT min(sent_key_first_at_us), (extract(epoch FROM clock_timestamp()) * 1000000)::bigint \
+         FROM call_sequences WHERE task_id = $1 AND step = $2 AND sent_key = $3",
+    )
+    .bind(lease.task_id.as_uuid())
+    .bind(step)
+    .bind(key)
+    .fetch_one(&mut *conn)
+    .await
+}
+
 /// Moves the step's `seq` past the one the call used, inside the fenced write,
 /// unless another attempt recorded an intent with the same key: a definite "nothing
 /// done" speaks only for this request, and an earlier request under the key may
@@ -410,7 +429,10 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
     // A call intent names the key this generation's call of the step sends.
     let sent = if t.phase == Phase::CallIntent && t.call.is_some() && t.step.is_some() {
         ", sent AS ( \
-         UPDATE call_sequences SET sent_key = $7 FROM written \
+         UPDATE call_sequences SET sent_key = $7, sent_key_first_at_us = CASE \
+             WHEN call_sequences.sent_key IS NOT DISTINCT FROM $7 THEN call_sequences.sent_key_first_at_us \
+             ELSE (SELECT now_us FROM clock) END \
+         FROM written \
          WHERE call_sequences.task_id = $11 AND call_sequences.generation = $12 AND call_sequences.step = $5)"
     } else {
         ""

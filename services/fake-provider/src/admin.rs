@@ -37,6 +37,13 @@ pub(crate) async fn clear_rules(shared: web::Data<Shared>) -> HttpResponse {
     HttpResponse::NoContent().finish()
 }
 
+/// Forgets every operation key, as a provider does once its idempotency window
+/// has passed: the same key again is new work, charged again.
+pub(crate) async fn forget_keys(shared: web::Data<Shared>) -> HttpResponse {
+    shared.lock().by_key.clear();
+    HttpResponse::NoContent().finish()
+}
+
 pub(crate) async fn reset(shared: web::Data<Shared>) -> HttpResponse {
     let mut state = shared.lock();
     let capabilities = state.capabilities;

@@ -602,6 +602,7 @@ impl App {
                 .route("/admin/capabilities", web::put().to(admin::set_capabilities))
                 .route("/admin/rules", web::post().to(admin::add_rule))
                 .route("/admin/rules", web::delete().to(admin::clear_rules))
+                .route("/admin/forget-keys", web::post().to(admin::forget_keys))
                 .route("/admin/reset", web::post().to(admin::reset));
         })?;
         tracing::info!(service = NAME, port, artifact_port, tls = tls.is_some(), capabilities = ?config.capabilities, "listening");

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
-use fenceline_domain::calls::{AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss};
+use fenceline_domain::calls::{
+    AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss, key_forgotten, key_remembered,
+};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
@@ -222,14 +224,31 @@ impl Watches {
                 ("decided", Some(RecoveryDecision::RetrySafe))
             }
             AfterLoss::RetrySameKey => {
-                found.push(evidence(
-                    "catalogue",
-                    format!(
-                        "provider `{provider_name}` deduplicates by operation key; the retry carries the same key {}",
-                        lost.operation_key.as_deref().unwrap_or("?")
-                    ),
-                ));
-                ("decided", Some(RecoveryDecision::RetrySameKey))
+                let memory = spec.and_then(|p| p.key_memory());
+                let first = match (&lost.operation_key, memory) {
+                    (Some(key), Some(_)) => self.key_first_intent(tx, lost.task_id, key).await?,
+                    _ => None,
+                };
+                match (memory, first) {
+                    (Some(memory), Some(first)) if !key_remembered(first, now, Some(memory)) => {
+                        found.push(evidence(
+                            "catalogue",
+                            key_forgotten(&provider_name, memory, &Timestamp(first).to_rfc3339()),
+                        ));
+                        ("decided", Some(RecoveryDecision::OutcomeUnknown))
+                    }
+                    _ => {
+                        found.push(evidence(
+                            "catalogue",
+                            format!(
+                                "provider `{provider_name}` deduplicates by operation key; the retry carries the \
+                                 same key {}",
+                                lost.operation_key.as_deref().unwrap_or("?")
+                            ),
+                        ));
+                        ("decided", Some(RecoveryDecision::RetrySameKey))
+                    }
+                }
             }
             AfterLoss::AskProvider => {
                 found.push(match (&lost.request_id, caps.lookup) {
@@ -313,6 +332,20 @@ impl Watches {
 }
 
 impl Watches {
+    /// When the task's call under `key` first recorded its intent, if one was heard.
+    async fn key_first_intent(
+        &self,
+        tx: &mut PgConnection,
+        task_id: TaskId,
+        key: &str,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar("SELECT min(intent_at_us) FROM calls WHERE task_id = $1 AND operation_key = $2")
+            .bind(task_id.as_uuid())
+            .bind(key)
+            .fetch_one(&mut *tx)
+            .await
+    }
+
     /// A worker whose lease had been taken over fetched and verified its call's
     /// result, but could not record it: evidence for the attempt's case, kept once
     /// per attempt and step (a report delivered or written twice adds nothing) and

@@ -255,6 +255,11 @@ impl ProviderSpec {
         })
     }
 
+    /// How long this provider remembers an operation key, if its dialect says.
+    pub fn key_memory(&self) -> Option<Duration> {
+        self.dialect.as_ref().and_then(DialectSpec::key_memory)
+    }
+
     /// After a worker was reported lost, how long a request it sent may still reach
     /// this provider and register: the call timeout plus the registration time.
     pub fn in_flight_window(&self) -> Duration {

@@ -22,9 +22,11 @@ pub struct DialectSpec {
     /// The header that carries the operation key, for a provider that dedupes by it.
     #[serde(default)]
     pub idempotency_header: Option<String>,
-    /// How long the provider remembers a key (a resend after that is a new charge).
+    /// How long the provider remembers a key, in hours (fractions allowed): past
+    /// it, the same key is not sent again, since the provider could charge it as
+    /// new work (docs/catalog.md, "Dialects").
     #[serde(default)]
-    pub idempotency_ttl_hours: Option<u64>,
+    pub idempotency_ttl_hours: Option<f64>,
     /// How an answer is read.
     #[serde(default)]
     pub answer: DialectAnswer,
@@ -260,6 +262,11 @@ impl DialectSpec {
         fields
     }
 
+    /// How long the provider remembers an operation key, if it says.
+    pub fn key_memory(&self) -> Option<std::time::Duration> {
+        self.idempotency_ttl_hours.and_then(|hours| std::time::Duration::try_from_secs_f64(hours * 3_600.0).ok())
+    }
+
     /// Every JSON pointer, named by its field.
     pub fn pointers(&self) -> Vec<(&'static str, &str)> {
         let answer = &self.answer;
@@ -362,6 +369,17 @@ pub fn check(
     };
     if !header_name(&dialect.auth_header) {
         return refuse("auth_header", format!("`{}` is not an HTTP header name", dialect.auth_header));
+    }
+    if let Some(hours) = dialect.idempotency_ttl_hours {
+        if dialect.idempotency_header.is_none() {
+            return refuse(
+                "idempotency_ttl_hours",
+                "is the memory of keys sent in `idempotency_header`, which is absent".into(),
+            );
+        }
+        if !(hours > 0.0 && dialect.key_memory().is_some()) {
+            return refuse("idempotency_ttl_hours", format!("must be a positive number of hours, not {hours}"));
+        }
     }
     if dialect.request.body.is_some() && dialect.request.form.is_some() {
         return refuse("request", "a `body` template or a `form`, not both".to_owned());

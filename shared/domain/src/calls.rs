@@ -265,6 +265,36 @@ pub fn after_loss(last_phase: Phase, request_id_known: bool, provider: ProviderC
     }
 }
 
+/// Whether a provider that remembers an operation key for `memory` (its
+/// idempotency window; `None`: for as long as Fenceline could ask) surely still
+/// remembers one first sent at `first_sent_us`, at `now_us`. A tenth of the window
+/// is kept back for the request to travel and for the clocks to differ: past that,
+/// the same key sent again may be taken as new work and charged again.
+pub fn key_remembered(first_sent_us: i64, now_us: i64, memory: Option<Duration>) -> bool {
+    let Some(memory) = memory else { return true };
+    let memory_us = i64::try_from(memory.as_micros()).unwrap_or(i64::MAX);
+    now_us.saturating_sub(first_sent_us) < memory_us - memory_us / 10
+}
+
+/// The evidence that a key is no longer surely remembered.
+pub fn key_forgotten(provider: &str, memory: Duration, first_sent: &str) -> String {
+    format!(
+        "provider `{provider}` remembers an operation key for {} and this key was first sent at {first_sent}: sent \
+         again now, the provider may take it as new work and charge it again",
+        describe_span(memory)
+    )
+}
+
+fn describe_span(span: Duration) -> String {
+    let seconds = span.as_secs_f64();
+    if seconds >= 3_600.0 { format!("{} h", trim(seconds / 3_600.0)) } else { format!("{} s", trim(seconds)) }
+}
+
+fn trim(value: f64) -> String {
+    let text = format!("{value:.2}");
+    text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
 /// What a provider look-up answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LookupAnswer {
@@ -430,6 +460,19 @@ mod tests {
         );
         assert_ne!(operation_key(task, "render", 0, 1), operation_key(task, "render", 0, 0), "seq changes it");
         assert_ne!(operation_key(task, "render", 1, 0), operation_key(task, "render", 0, 0), "generation changes it");
+    }
+
+    #[test]
+    fn a_key_is_remembered_until_a_tenth_before_the_providers_window_ends() {
+        let day = Some(Duration::from_secs(24 * 3_600));
+        let hour_us = 3_600_000_000i64;
+        assert!(key_remembered(0, 21 * hour_us, day));
+        assert!(!key_remembered(0, 22 * hour_us, day), "21.6 h is the last instant a resend is sure");
+        assert!(!key_remembered(0, 30 * hour_us, day));
+        assert!(key_remembered(0, 1_000 * hour_us, None), "a provider without a window remembers as long as asked");
+        let line = key_forgotten("stripe", Duration::from_secs(24 * 3_600), "2026-12-01T10:00:00Z");
+        assert!(line.contains("remembers an operation key for 24 h"), "{line}");
+        assert_eq!(describe_span(Duration::from_millis(7_200)), "7.2 s");
     }
 
     #[test]

@@ -31,6 +31,7 @@ mod secrets;
 mod shutdown;
 mod spend;
 mod tls;
+mod traces;
 mod upgrade;
 mod vendor_apis;
 

@@ -36,13 +36,15 @@ struct Locked {
     state: String,
     /// The case the projected status names, if any.
     case_id: Option<String>,
+    /// The trace the task was accepted in: what is asked about it continues it.
+    traceparent: Option<String>,
 }
 
 /// Locks the caller's task row and reads it with its projected status, or answers
 /// 404 exactly as for a task that does not exist.
 async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<Locked, ApiError> {
     let found: Option<Locked> = sqlx::query_as(
-        "SELECT t.kind, coalesce(v.state, 'queued') AS state, v.case_id \
+        "SELECT t.kind, coalesce(v.state, 'queued') AS state, v.case_id, t.traceparent \
          FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
          WHERE t.task_id = $1 AND t.tenant = $2 FOR UPDATE OF t",
     )
@@ -51,6 +53,12 @@ async fn lock_task(tx: &mut sqlx::PgConnection, tenant: &Tenant, task_id: TaskId
     .fetch_optional(&mut *tx)
     .await?;
     found.ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))
+}
+
+/// The trace an event about a task goes out in: the task's own, and the request's
+/// only for a task accepted before its trace was kept.
+pub(crate) fn in_trace(task: Option<String>) -> Option<String> {
+    task.or_else(fenceline_telemetry::current_traceparent)
 }
 
 /// Refuses a new request (`what`: signal, cancel, resolve) on a task in a final
@@ -83,7 +91,7 @@ async fn once(
     if fresh {
         // Dropping the transaction takes the insert back.
         unless_finished(task_id, &task.state, what)?;
-        outbox.append(&mut tx, topics::TASKS, None, &event()).await?;
+        outbox.append_in_trace(&mut tx, topics::TASKS, None, &event(), in_trace(task.traceparent)).await?;
         crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
     tx.commit().await?;
@@ -210,7 +218,7 @@ pub async fn signal(
             generation: None,
             decision: None,
         });
-        outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+        outbox.append_in_trace(&mut tx, topics::TASKS, None, &event, in_trace(task.traceparent)).await?;
         crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
     tx.commit().await?;
@@ -320,7 +328,7 @@ pub async fn resolve(
     // The projected state is advisory (the scheduler decides, and applies a
     // resolution only to the case it names); it turns away resolutions of tasks
     // that plainly do not wait for a person, and of cases that were replaced.
-    let Locked { state, case_id: current, .. } = lock_task(&mut tx, tenant, task_id).await?;
+    let Locked { state, case_id: current, traceparent, .. } = lock_task(&mut tx, tenant, task_id).await?;
     let waits = [TaskState::OutcomeUnknown.as_str(), TaskState::NeedsHuman.as_str()].contains(&state.as_str());
     // A case already resolved answers for itself even after the task moved on.
     let recorded: Option<(String, bool, Option<sqlx::types::Json<ArtifactRef>>)> = sqlx::query_as(
@@ -392,7 +400,7 @@ pub async fn resolve(
         decided_by: who,
         decided_at: Timestamp::now(),
     });
-    outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    outbox.append_in_trace(&mut tx, topics::TASKS, None, &event, in_trace(traceparent)).await?;
     crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     tx.commit().await?;
     outbox.committed();

@@ -301,11 +301,13 @@ struct Locked {
     state: String,
     /// The step the projected status names.
     step: Option<String>,
+    /// The trace the task was accepted in.
+    traceparent: Option<String>,
 }
 
 async fn lock_task(tx: &mut PgConnection, tenant: &Tenant, task_id: TaskId) -> Result<Locked, ApiError> {
     let found: Option<Locked> = sqlx::query_as(
-        "SELECT t.kind, coalesce(v.state, $3) AS state, v.step \
+        "SELECT t.kind, coalesce(v.state, $3) AS state, v.step, t.traceparent \
          FROM tasks t LEFT JOIN task_view v ON v.task_id = t.task_id \
          WHERE t.task_id = $1 AND t.tenant = $2 FOR UPDATE OF t",
     )
@@ -491,7 +493,7 @@ pub async fn decide(
         generation: Some(generation),
         decision: Some(decision),
     });
-    outbox.append(&mut tx, topics::TASKS, None, &event).await?;
+    outbox.append_in_trace(&mut tx, topics::TASKS, None, &event, crate::actions::in_trace(task.traceparent)).await?;
     crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     tx.commit().await?;
     outbox.committed();

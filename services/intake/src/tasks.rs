@@ -239,10 +239,11 @@ pub async fn submit_in(
            VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING task_id, tenant), \
          accepted AS ( \
            INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, \
-             accepted_at) \
+             accepted_at, traceparent) \
            SELECT task_id, tenant, $6::text, $7::jsonb, $8::text, $9::timestamptz, $10::timestamptz, $11::jsonb, \
-             $2::text, $12::timestamptz FROM claimed_key RETURNING task_id, tenant), \
+             $2::text, $12::timestamptz, {traceparent}::text FROM claimed_key RETURNING task_id, tenant), \
          {outbox}, {marked} SELECT count(*) FROM marked",
+        traceparent = fenceline_bus::OutboxRow::traceparent_parameter(13),
         outbox = fenceline_bus::OutboxRow::inserted_after("accepted", 13),
         marked = crate::live::marked_from("accepted"),
     );

@@ -283,12 +283,15 @@ impl Dispatcher {
             // Not grantable with this instance's catalogue (a kind or provider
             // removed, or not deployed here yet): looked at again later, so that it
             // never holds the head of its tenant's queue in every round.
-            warn!(
-                task_id = %row.task_id,
-                kind = %row.kind,
-                "the task's kind or a provider it calls is not in this scheduler's catalogue; looked at again in {} s",
-                UNKNOWN_KIND_RETRY.as_secs()
-            );
+            span.in_scope(|| {
+                warn!(
+                    task_id = %row.task_id,
+                    kind = %row.kind,
+                    "the task's kind or a provider it calls is not in this scheduler's catalogue; looked at again in \
+                     {} s",
+                    UNKNOWN_KIND_RETRY.as_secs()
+                )
+            });
             sqlx::query("UPDATE tasks SET due_at_us = $2 WHERE task_id = $1")
                 .bind(task_id.as_uuid())
                 .bind(now + i64::try_from(UNKNOWN_KIND_RETRY.as_micros()).unwrap_or(i64::MAX / 4))
@@ -309,7 +312,8 @@ impl Dispatcher {
             };
             if let Err(reason) = may_start_a_paid_call(&row.tenant, Some(budget), spent) {
                 if row.lifecycle.reason.as_ref() != Some(&reason) {
-                    tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+                    let held = tasks::apply(tx, ctx, &row, Input::Held { reason }, now);
+                    held.instrument(span.clone()).await.map_err(bus_error)?;
                 }
                 return Ok(Tried::BudgetSpent);
             }
@@ -329,7 +333,8 @@ impl Dispatcher {
                 // a new reason is written (a write would wake the dispatchers again).
                 let reason = held.reduced.as_ref().map(|reduced| format!("waiting for a slot: {reduced}"));
                 if let Some(reason) = reason.filter(|reason| row.lifecycle.reason.as_ref() != Some(reason)) {
-                    tasks::apply(tx, ctx, &row, Input::Held { reason }, now).await.map_err(bus_error)?;
+                    let held = tasks::apply(tx, ctx, &row, Input::Held { reason }, now);
+                    held.instrument(span.clone()).await.map_err(bus_error)?;
                 }
                 return Ok(Tried::ProviderFull(provider_name.to_owned()));
             }

@@ -205,6 +205,13 @@ impl OutboxRow {
         )
     }
 
+    /// The parameter that holds the row's `traceparent` in the statement of
+    /// [`OutboxRow::inserted_after`] with `first`: a statement that stores the trace
+    /// beside the row (the task it starts) reads it from there.
+    pub fn traceparent_parameter(first: usize) -> String {
+        format!("${}", first + Self::PARAMETERS - 1)
+    }
+
     /// Binds the row's parameters, in [`OUTBOX_COLUMNS`] order, after those `query` has.
     pub fn bind<'q>(
         self,

@@ -277,3 +277,100 @@ async fn an_input_that_cannot_fill_the_vendors_request_is_refused_at_submission_
     assert_eq!(ends(&system, task).await, "succeeded");
     assert_eq!(settled(&system, "stripe").await, (1, 1), "only the task that could be built was sent");
 }
+
+/// One fault the fake provider is told to make once, and what it must come to at
+/// a provider of each kind: the task's final state and the charges it made.
+struct Fault {
+    name: &'static str,
+    rule: Value,
+    /// At a provider that dedupes by key.
+    dedupes: (&'static str, usize),
+    /// At one that neither dedupes nor can be asked.
+    neither: (&'static str, usize),
+}
+
+/// The misbehaviours every dialect is run through: a throttle with the vendor's
+/// headers, a 5xx before any work, the answer lost after the work, a gateway's
+/// 504 after the work.
+fn faults() -> Vec<Fault> {
+    vec![
+        Fault {
+            name: "throttled",
+            rule: json!({"status": 429, "retry_after_s": 1, "times": 1}),
+            dedupes: ("succeeded", 1),
+            neither: ("succeeded", 1),
+        },
+        Fault {
+            name: "a 5xx before any work",
+            rule: json!({"status": 500, "times": 1}),
+            dedupes: ("succeeded", 1),
+            neither: ("outcome_unknown", 0),
+        },
+        Fault {
+            name: "the answer lost after the work",
+            rule: json!({"drop_after_accept": true, "times": 1}),
+            dedupes: ("succeeded", 1),
+            neither: ("outcome_unknown", 1),
+        },
+        Fault {
+            name: "a gateway's 504 after the work",
+            rule: json!({"status_after_work": 504, "bare": true, "times": 1}),
+            dedupes: ("succeeded", 1),
+            neither: ("outcome_unknown", 1),
+        },
+    ]
+}
+
+/// Runs every fault, one task each, through the shipped entry `file` as it is,
+/// and checks each task's end and charges, then that nothing more was charged
+/// once the retry periods passed.
+async fn every_fault_through(file: &str, name: &str, caps: Caps, prefix: &str, credential: &str, input: Value) {
+    let mut system = vendor_system(file, name, caps, prefix, credential).await;
+    system.spawn_all(None).await;
+    let mut expected_charges = 0;
+    for fault in faults() {
+        system.provider(name).rule(fault.rule.clone()).await;
+        let before = system.provider(name).charges().await;
+        let task = system.submit("acme", "vendor.call", input.clone()).await;
+        let (state, charges) = if caps.idempotency_keys { fault.dedupes } else { fault.neither };
+        assert_eq!(ends(&system, task).await, state, "{file}, {}: {:?}", fault.name, system.state(task).await);
+        let charged = system.provider(name).charges().await - before;
+        assert_eq!(charged, charges, "{file}, {}: charges", fault.name);
+        expected_charges += charges;
+        system.provider(name).reset_rules().await;
+    }
+    assert_eq!(settled(&system, name).await.1, expected_charges, "{file}: nothing charged after the ends");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_through_the_openai_chat_entry() {
+    let input = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hello"}]});
+    every_fault_through("openai-chat.json", "openai", Caps::default(), "", "Bearer sk-test", input).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_through_the_anthropic_messages_entry() {
+    every_fault_through("anthropic-messages.json", "anthropic", Caps::default(), "", "sk-ant-test", anthropic_input())
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_through_the_replicate_predictions_entry() {
+    let caps = Caps { async_results: true, ..Caps::default() };
+    every_fault_through("replicate-predictions.json", "replicate", caps, "", "Bearer r8_test", prediction_input())
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_through_the_stripe_refunds_entry() {
+    let caps = Caps { idempotency_keys: true, ..Caps::default() };
+    every_fault_through("stripe-refunds.json", "stripe", caps, "", "Bearer sk_test_fenceline", refund_input()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_through_the_twilio_messages_entry() {
+    let account = "/2010-04-01/Accounts/AC00000000000000000000000000000000";
+    let input = message_input("+15558675310");
+    every_fault_through("twilio-messages.json", "twilio", Caps::default(), account, "Basic QUMwMDA6dG9rZW4=", input)
+        .await;
+}

@@ -131,8 +131,14 @@ pub fn classify(outcome: &CallOutcome, table: &ErrorTable) -> Option<Classificat
             if *status == 409 && table.keyed && !table.dedupes && !table.overrides.contains_key(&409) {
                 return Some(of(ErrorClass::Ambiguous, None));
             }
+            // A 429 turned the request away for its rate, not for what it asked: a
+            // vendor's error type may make it a bill to pay (not authorised), never
+            // a refusal that ends the task (Stripe sends its rate limits as an
+            // `invalid_request_error`).
+            let refusal_of_a_throttle = *status == 429 && *class_named == Some(ErrorClass::Rejected);
             if let Some(class) = class_named
                 && !(200..=299).contains(status)
+                && !refusal_of_a_throttle
             {
                 return Some(of(*class, *retry_after));
             }
@@ -432,6 +438,8 @@ mod tests {
         // OpenAI's `insufficient_quota` arrives as a 429: it is no throttle but a bill to pay.
         let quota = named(429, ErrorClass::NotAuthorised, true);
         assert_eq!(class(&quota, &ErrorTable::default()), Some(ErrorClass::NotAuthorised));
+        // A rate limit whose body names a refusal is still a throttle, waited out.
+        assert_eq!(class(&named(429, ErrorClass::Rejected, true), &ErrorTable::default()), Some(ErrorClass::Throttled));
         // A 5xx may have done the work unless declared safe: a named class does not change that.
         let server = named(500, ErrorClass::ProviderFailed, true);
         assert_eq!(class(&server, &ErrorTable::default()), Some(ErrorClass::Ambiguous));

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use fenceline_domain::ids::TaskId;
-use fenceline_tests::system::{Caps, System};
+use fenceline_tests::system::{Caps, Stop, System};
 use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(90);
@@ -322,8 +322,8 @@ fn faults() -> Vec<Fault> {
 }
 
 /// Runs every fault, one task each, through the shipped entry `file` as it is,
-/// and checks each task's end and charges, then that nothing more was charged
-/// once the retry periods passed.
+/// then loses the worker after the provider answered, and checks each task's end
+/// and charges, then that nothing more was charged once the retry periods passed.
 async fn every_fault_through(file: &str, name: &str, caps: Caps, prefix: &str, credential: &str, input: Value) {
     let mut system = vendor_system(file, name, caps, prefix, credential).await;
     system.spawn_all(None).await;
@@ -339,6 +339,20 @@ async fn every_fault_through(file: &str, name: &str, caps: Caps, prefix: &str, c
         expected_charges += charges;
         system.provider(name).reset_rules().await;
     }
+    // The recovery table: the worker is lost once the provider answered (the work
+    // done and charged). A provider that dedupes is sent the same key again; at one
+    // that can neither dedupe nor be asked, a person decides.
+    system.stop("executor", Stop::Term).await;
+    let crash = [("FAILPOINTS", "executor.after_provider_answer=return(crash)".to_owned())];
+    system.spawn_to_crash("executor", "executor", &crash).await;
+    let before = system.provider(name).charges().await;
+    let task = system.submit("acme", "vendor.call", input.clone()).await;
+    assert!(system.service("executor").wait_exit(LONG).await.is_some(), "{file}: the worker was not lost");
+    system.spawn("executor", "executor", &[]).await;
+    let state = if caps.idempotency_keys { "succeeded" } else { "outcome_unknown" };
+    assert_eq!(ends(&system, task).await, state, "{file}, the worker lost: {:?}", system.state(task).await);
+    assert_eq!(system.provider(name).charges().await - before, 1, "{file}, the worker lost: charges");
+    expected_charges += 1;
     assert_eq!(settled(&system, name).await.1, expected_charges, "{file}: nothing charged after the ends");
 }
 

@@ -156,6 +156,16 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     assert!(succeeded.stdout.contains(&image) && !succeeded.stdout.contains(&later), "{succeeded:?}");
     let table = run(&["list"]).await;
     assert_eq!(table.stdout.lines().count(), 6, "a header and five tasks: {table:?}");
+    // Piped, the full ids a script reads; spans back from now name instants.
+    assert!(table.stdout.contains(&image), "piped: full ids: {table:?}");
+    let recent = run(&["list", "--since", "1h", "--json"]).await;
+    assert!(recent.code == 0 && recent.stdout.contains(&image), "{recent:?}");
+    let future = run(&["list", "--until", "1h", "--json"]).await;
+    assert!(future.code == 0 && !future.stdout.contains(&image), "nothing accepted before an hour ago: {future:?}");
+    let bad = run(&["list", "--since", "yesterday"]).await;
+    assert!(bad.code == 2 && bad.stderr.contains("span back from now"), "{bad:?}");
+    let completions = run(&["completions", "bash"]).await;
+    assert!(completions.code == 0 && completions.stdout.contains("_fenceline()"), "{completions:?}");
 
     // Cancelled while it waits; its watch ends with 7, not 0.
     let cancelled = as_tenant(&intake, &token_file, &["cancel", &later]).await;

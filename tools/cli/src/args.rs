@@ -29,6 +29,9 @@ pub struct Cli {
     /// Print the service's answers as JSON, unchanged, instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Full task ids and instants in tables, instead of short ids and times ago.
+    #[arg(long, global = true)]
+    pub wide: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -104,12 +107,19 @@ pub enum Command {
     /// What the tenant's paid calls cost, by UTC day and provider, and its daily
     /// budget (`GET /v1/spend`); amounts in the currency's minor unit.
     Spend {
-        /// Calls checkpointed at or after this instant (RFC 3339; default: the last 30 UTC days).
+        /// Calls checkpointed at or after this instant: RFC 3339, or a span back from now
+        /// (`1h`, `7d`; default: the last 30 UTC days).
         #[arg(long)]
         since: Option<String>,
-        /// Calls checkpointed before this instant (RFC 3339; default: now).
+        /// Calls checkpointed before this instant: RFC 3339, or a span back from now (default: now).
         #[arg(long)]
         until: Option<String>,
+    },
+    /// Prints a completion script for SHELL: `fenceline completions bash >
+    /// /etc/bash_completion.d/fenceline`, or `source <(fenceline completions zsh)`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
     /// Lists what the reconciler's audit found: tasks without progress or without a
     /// live expectation (`GET /v1/audit`, with the audit token).
@@ -160,10 +170,10 @@ pub struct ListArgs {
     /// Only tasks with this label, KEY=VALUE.
     #[arg(long, value_parser = parse_label_filter)]
     pub label: Option<String>,
-    /// Accepted at or after this instant (RFC 3339).
+    /// Accepted at or after this instant: RFC 3339, or a span back from now (`30m`, `1h`, `2d`).
     #[arg(long)]
     pub since: Option<String>,
-    /// Accepted before this instant (RFC 3339).
+    /// Accepted before this instant: RFC 3339, or a span back from now.
     #[arg(long)]
     pub until: Option<String>,
     /// Tasks per page, 1 to 200 (intake's default is 50).

@@ -20,6 +20,7 @@ use crate::{Error, Exit, watch};
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
     let timeout = Duration::from_secs(cli.intake.request_timeout_s.max(1));
     let json = cli.json;
+    let look = crate::terminal::Look::detect(cli.wide);
     let intake = || -> Result<Client, Error> {
         let token = token(cli.intake.token.clone(), cli.intake.token_file.as_deref())?.ok_or(Error::NoToken)?;
         Client::new(&cli.intake.url, Some(token), timeout)
@@ -37,7 +38,12 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
             }
             Ok(Exit::Ok)
         }
-        Command::List(args) => list(&intake()?, args, json, out),
+        Command::List(args) => list(&intake()?, args, json, look, out),
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut command, "fenceline", out);
+            Ok(Exit::Ok)
+        }
         Command::Watch(args) => match (args.task_id, args.label) {
             (Some(task_id), _) => watch::task(&intake()?, task_id, args.polling, json, out),
             (None, Some(label)) => watch::label(&intake()?, &label, args.polling, json, out),
@@ -49,8 +55,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<Exit, Error> {
             Ok(Exit::Ok)
         }
         Command::Spend { since, until } => {
-            let query: Vec<(&str, String)> =
-                [("since", since), ("until", until)].into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+            let query = instants([("since", since), ("until", until)])?;
             let answer = intake()?.get("/v1/spend", &query)?;
             if json {
                 raw(out, &answer.text)?;
@@ -174,14 +179,32 @@ fn submit(client: &Client, args: SubmitArgs, json: bool, out: &mut dyn Write) ->
     Ok(Exit::Ok)
 }
 
-fn list(client: &Client, args: ListArgs, json: bool, out: &mut dyn Write) -> Result<Exit, Error> {
-    let mut query: Vec<(&str, String)> = Vec::new();
+/// The `since` and `until` of a query, spans back from now made instants.
+fn instants<'a>(pairs: [(&'a str, Option<String>); 2]) -> Result<Vec<(&'a str, String)>, Error> {
+    let now = time::OffsetDateTime::now_utc();
+    let mut query = Vec::new();
+    for (name, value) in pairs {
+        if let Some(value) = value {
+            let instant =
+                crate::terminal::instant_arg(&value, now).map_err(|e| Error::Usage(format!("--{name}: {e}")))?;
+            query.push((name, instant));
+        }
+    }
+    Ok(query)
+}
+
+fn list(
+    client: &Client,
+    args: ListArgs,
+    json: bool,
+    look: crate::terminal::Look,
+    out: &mut dyn Write,
+) -> Result<Exit, Error> {
+    let mut query: Vec<(&str, String)> = instants([("since", args.since), ("until", args.until)])?;
     for (name, value) in [
         ("state", args.state.map(|s| s.as_str().to_owned())),
         ("kind", args.kind),
         ("label", args.label),
-        ("since", args.since),
-        ("until", args.until),
         ("limit", args.limit.map(|l| l.to_string())),
     ] {
         if let Some(value) = value {
@@ -202,7 +225,7 @@ fn list(client: &Client, args: ListArgs, json: bool, out: &mut dyn Write) -> Res
             if json {
                 raw(out, &answer.text)?;
             } else {
-                render::tasks(out, &page.tasks)?;
+                render::tasks(out, &page.tasks, look)?;
                 if let Some(next) = &page.next_cursor {
                     writeln!(out, "more: --cursor {next} (or --all)")?;
                 }
@@ -220,7 +243,7 @@ fn list(client: &Client, args: ListArgs, json: bool, out: &mut dyn Write) -> Res
     if json {
         writeln!(out, "{}", json!({ "tasks": raw_tasks }))?;
     } else {
-        render::tasks(out, &tasks)?;
+        render::tasks(out, &tasks, look)?;
     }
     Ok(Exit::Ok)
 }

@@ -5,6 +5,7 @@ pub mod args;
 pub mod client;
 pub mod commands;
 pub mod render;
+pub mod terminal;
 pub mod watch;
 
 /// What the process exits with; scripts branch on these (docs/cli.md).

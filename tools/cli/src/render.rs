@@ -10,6 +10,7 @@ use fenceline_domain::vocabulary::TaskState;
 use serde::Deserialize;
 
 use crate::Error;
+use crate::terminal::Look;
 
 /// A task as `GET /v1/tasks/{id}` and the list show it (docs/intake.md, "Read").
 ///
@@ -423,22 +424,34 @@ pub fn spend(out: &mut dyn Write, spend: &Spend) -> Result<(), Error> {
     write_table(out, &table)
 }
 
-/// Tasks, one line each.
-pub fn tasks(out: &mut dyn Write, tasks: &[TaskView]) -> Result<(), Error> {
+/// Tasks, one line each, as `look` says: short ids and relative times unless wide,
+/// states in colour on a terminal, lines cut to its width.
+pub fn tasks(out: &mut dyn Write, tasks: &[TaskView], look: Look) -> Result<(), Error> {
+    let now = time::OffsetDateTime::now_utc();
     let mut table = new_table();
     table.set_header(["TASK", "KIND", "STATE", "ATTEMPT", "STEP", "UPDATED", "REASON"]);
     for task in tasks {
         table.add_row([
-            task.task_id.to_string(),
+            look.task_id(&task.task_id.to_string()),
             task.kind.clone(),
             task.state.to_string(),
             task.attempt.to_string(),
             position(task),
-            task.updated_at.clone(),
+            look.instant(&task.updated_at, now),
             text(&task.reason).to_owned(),
         ]);
     }
-    write_table(out, &table)
+    // Coloured after the table is laid out: escape sequences take no room.
+    let mut lines = table.lines();
+    if let Some(header) = lines.next() {
+        writeln!(out, "{}", look.fit(header.trim_end()))?;
+    }
+    for (line, task) in lines.zip(tasks) {
+        let state = task.state.as_str();
+        let line = line.replacen(&format!(" {state} "), &format!(" {} ", look.state(task.state)), 1);
+        writeln!(out, "{}", look.fit(line.trim_end()))?;
+    }
+    Ok(())
 }
 
 /// One task in full: its fields, its result, its attempts and its case.
@@ -664,7 +677,15 @@ mod tests {
         sample.as_object_mut().expect("object").remove("case");
         let tasks = [view(sample.clone()), view(sample)];
         let mut out = Vec::new();
-        super::tasks(&mut out, &tasks).expect("written");
+        super::tasks(&mut out, &tasks, Look::PLAIN).expect("written");
         assert_eq!(String::from_utf8(out).expect("utf-8").lines().count(), 3, "a header and two lines");
+        let narrow = Look { colour: true, wide: false, width: Some(60) };
+        let mut out = Vec::new();
+        super::tasks(&mut out, &tasks, narrow).expect("written");
+        let shown = String::from_utf8(out).expect("utf-8");
+        let id = tasks[0].task_id.to_string();
+        assert!(shown.contains(&id[id.len() - 12..]) && !shown.contains(&id), "a short id: {shown}");
+        assert!(shown.contains("\u{1b}["), "the state in colour: {shown}");
+        assert!(shown.lines().all(|l| l.ends_with('…') || l.chars().count() <= 60), "cut to the width: {shown}");
     }
 }

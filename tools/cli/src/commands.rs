@@ -180,7 +180,7 @@ fn submit(client: &Client, args: SubmitArgs, json: bool, out: &mut dyn Write) ->
 }
 
 /// The `since` and `until` of a query, spans back from now made instants.
-fn instants<'a>(pairs: [(&'a str, Option<String>); 2]) -> Result<Vec<(&'a str, String)>, Error> {
+fn instants(pairs: [(&str, Option<String>); 2]) -> Result<Vec<(&str, String)>, Error> {
     let now = time::OffsetDateTime::now_utc();
     let mut query = Vec::new();
     for (name, value) in pairs {

@@ -1,6 +1,6 @@
-//! Following tasks live. Intake has no event stream and no ETags, so this polls the
-//! task (or the list filtered by a label) and prints a line whenever what it shows
-//! changed, until the task is final or waits for a person.
+//! Following tasks live: polls the task (or the list filtered by a label) and
+//! prints a line whenever what it shows changed, until the task is final or waits
+//! for a person, and says every 30 s without a change that it is still waiting.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -47,11 +47,28 @@ struct Poller<'a> {
     started: Instant,
     seen: BTreeMap<TaskId, Shown>,
     unavailable: bool,
+    /// When what a task shows last changed.
+    changed_at: Instant,
+    /// When what a task shows last changed, or the last "still waiting" was said.
+    quiet_since: Instant,
 }
+
+/// How long a watch stays quiet before it says it is still waiting.
+const STILL_WAITING_EVERY: Duration = Duration::from_secs(30);
 
 impl<'a> Poller<'a> {
     fn new(client: &'a Client, polling: Polling, json: bool) -> Self {
-        Poller { client, polling, json, started: Instant::now(), seen: BTreeMap::new(), unavailable: false }
+        let now = Instant::now();
+        Poller {
+            client,
+            polling,
+            json,
+            started: now,
+            seen: BTreeMap::new(),
+            unavailable: false,
+            changed_at: now,
+            quiet_since: now,
+        }
     }
 
     /// Reads `path`, or `None` while the service is unavailable.
@@ -82,6 +99,7 @@ impl<'a> Poller<'a> {
             return Ok(());
         }
         self.seen.insert(task.task_id, shown);
+        (self.changed_at, self.quiet_since) = (Instant::now(), Instant::now());
         match (self.json, raw) {
             (true, Some(raw)) => writeln!(out, "{raw}")?,
             _ => writeln!(out, "{}", render::change(task))?,
@@ -90,8 +108,28 @@ impl<'a> Poller<'a> {
         Ok(())
     }
 
+    /// Says on stderr, every [`STILL_WAITING_EVERY`] without a change, that the
+    /// watch goes on and where the tasks are.
+    fn still_waiting(&mut self) {
+        if self.quiet_since.elapsed() < STILL_WAITING_EVERY || self.seen.is_empty() {
+            return;
+        }
+        let waiting = self.started.elapsed().as_secs();
+        let states: Vec<String> = self.seen.values().map(|s| s.state.to_string()).collect();
+        let what = match states.as_slice() {
+            [one] => one.clone(),
+            many => format!("{} tasks ({})", many.len(), many.join(", ")),
+        };
+        eprintln!(
+            "fenceline: still waiting after {waiting} s: {what}, no change for {} s",
+            self.quiet_since.elapsed().as_secs()
+        );
+        self.quiet_since = Instant::now();
+    }
+
     /// Sleeps until the next read, or fails once the time is up.
-    fn wait(&self) -> Result<(), Error> {
+    fn wait(&mut self) -> Result<(), Error> {
+        self.still_waiting();
         let interval = Duration::from_millis(self.polling.interval_ms);
         if let Some(limit) = self.polling.timeout_s
             && self.started.elapsed() + interval > Duration::from_secs(limit)

@@ -66,7 +66,7 @@ async fn every_service_serves_metrics_a_prometheus_parser_reads_and_they_move_wi
     let printed = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     eprintln!("{printed}");
     assert!(output.status.success(), "the metrics did not read as expected:\n{printed}\n{}", system.logs());
-    assert!(printed.contains("9 passed"), "every metrics test ran:\n{printed}");
+    assert!(printed.contains("19 passed"), "every metrics test ran:\n{printed}");
 }
 
 /// Spans as the OTLP receiver got them: (service.name, trace id, span name).

@@ -371,6 +371,7 @@ impl Workers {
     ) -> Result<Option<StepResult>, Stop> {
         // The provider did the work: it charges for it, whatever the verification finds.
         fenceline_telemetry::metrics::global()
+            .executor
             .provider_charges
             .get_or_create(&fenceline_telemetry::metrics::ProviderLabels { provider: call.provider.name().to_owned() })
             .inc();
@@ -514,6 +515,7 @@ impl Workers {
         self.record(lease, transition, &events).await?;
         if let Some(Charged { provider, cost: Some(cost) }) = charged {
             fenceline_telemetry::metrics::global()
+                .executor
                 .provider_spend
                 .get_or_create(&fenceline_telemetry::metrics::ProviderLabels { provider: provider.to_owned() })
                 .inc_by(cost.as_minor_f64());

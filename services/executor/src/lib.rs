@@ -14,6 +14,7 @@ use fenceline_config::catalog::CatalogConfig;
 use fenceline_events::topics;
 use fenceline_providers::HttpProvider;
 use fenceline_runtime::{Error, ServiceApp};
+use fenceline_telemetry::metrics::Group;
 
 /// The service's name: its log field, its database schema, its outbox producer.
 pub const NAME: &str = "executor";
@@ -108,8 +109,10 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     check_lease(&catalog, settings.lease_ms).map_err(|e| Error::Config(fenceline_config::Error(e)))?;
     let providers =
         HttpProvider::all_of(&catalog).map_err(|e| Error::Config(fenceline_config::Error(e.to_string())))?;
-    let mut app =
-        ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
+    let mut app = ServiceApp::build(NAME, &[Group::Executor, Group::ProviderCalls], &config.service, &MIGRATOR, |_| {
+        |_: &mut actix_web::web::ServiceConfig| {}
+    })
+    .await?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let handed = Arc::new(grants::Handed::default());
     app.consume(

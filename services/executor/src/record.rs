@@ -326,7 +326,7 @@ impl Workers {
 
 /// Counts the attempts `events` end, once they are committed.
 fn count_ends(events: &[Event]) {
-    let metrics = fenceline_telemetry::metrics::global();
+    let metrics = &fenceline_telemetry::metrics::global().executor;
     for event in events {
         match event {
             Event::AttemptSucceeded(_) => metrics.attempt_ended("succeeded", "none"),

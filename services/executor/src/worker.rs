@@ -323,7 +323,7 @@ impl Workers {
             self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
             tx.commit().await?;
             self.outbox.committed();
-            let metrics = fenceline_telemetry::metrics::global();
+            let metrics = &fenceline_telemetry::metrics::global().executor;
             metrics.leases_taken_over.inc();
             metrics.attempt_ended("lost", "none");
             warn!(%task_id, %grant_id, %phase, "took over a lease after the call intent: attempt reported lost");
@@ -354,7 +354,7 @@ impl Workers {
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {
-            fenceline_telemetry::metrics::global().leases_taken_over.inc();
+            fenceline_telemetry::metrics::global().executor.leases_taken_over.inc();
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
         Ok(Some((claim, done.into_iter().map(|(step, output, generation)| (step, (output, generation))).collect())))

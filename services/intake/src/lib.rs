@@ -188,7 +188,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let opening = sealing.clone();
     let changes = live::Changes::default();
     let streams = changes.clone();
-    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
+    let mut app = ServiceApp::build(NAME, &[], &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
         let admission = web::Data::new(admission);
         let openapi = Arc::new(openapi::document(&kinds).to_string());

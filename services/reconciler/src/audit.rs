@@ -89,7 +89,7 @@ pub const OPEN_CASE_STATES: [&str; 2] = ["outcome_unknown", "needs_human"];
 /// findings by kind and the tasks the status topic shows waiting for evidence or a
 /// person. Run at each scrape of `/metrics`.
 pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let metrics = fenceline_telemetry::metrics::global();
+    let metrics = &fenceline_telemetry::metrics::global().reconciler;
     let findings: Vec<(String, i64)> =
         sqlx::query_as("SELECT finding, count(*) FROM audit_findings GROUP BY finding").fetch_all(pool).await?;
     for kind in FINDINGS {

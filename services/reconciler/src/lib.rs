@@ -12,6 +12,7 @@ use fenceline_config::{ExposeSecret, Secret, ServiceConfig};
 use fenceline_events::topics;
 use fenceline_providers::HttpProvider;
 use fenceline_runtime::{Error, ServiceApp};
+use fenceline_telemetry::metrics::Group;
 use sha2::{Digest, Sha256};
 
 /// The service's name: its log field, its database schema, its outbox producer.
@@ -198,11 +199,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
              GET /v1/audit answers 401"
         );
     }
-    let mut app = ServiceApp::build(NAME, &config.service, &MIGRATOR, |base| {
-        let pool = base.database.pool.clone();
-        move |cfg: &mut actix_web::web::ServiceConfig| audit_routes(cfg, pool.clone(), access.clone())
-    })
-    .await?;
+    let mut app =
+        ServiceApp::build(NAME, &[Group::Reconciler, Group::ProviderCalls], &config.service, &MIGRATOR, |base| {
+            let pool = base.database.pool.clone();
+            move |cfg: &mut actix_web::web::ServiceConfig| audit_routes(cfg, pool.clone(), access.clone())
+        })
+        .await?;
     let pool = app.base.database.pool.clone();
     app.base.scrape.probe(move || {
         let pool = pool.clone();

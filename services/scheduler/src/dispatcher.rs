@@ -156,6 +156,7 @@ impl Dispatcher {
         let limit = self.settings.grants_per_round;
         let mut tx = self.pool.begin().await?;
         let mut round = Round::default();
+        let ends = tasks::Ends::default();
         // Providers whose tasks cannot be granted this round; a full page of heads
         // for them must not hide the due tasks of other providers.
         let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
@@ -168,7 +169,7 @@ impl Dispatcher {
                 if round.passed_over.contains(&provider) || rate_blocked.contains_key(&provider) {
                     continue;
                 }
-                match self.try_grant(&mut tx, &mut round, TaskId::from_uuid(task_id), now).await? {
+                match self.try_grant(&mut tx, &mut round, &ends, TaskId::from_uuid(task_id), now).await? {
                     Tried::Granted => {}
                     Tried::ProviderFull(full) => round.passed_over.push(full),
                     Tried::RateLimited(limited, until) => {
@@ -217,7 +218,8 @@ impl Dispatcher {
             }
         }
         tx.commit().await?;
-        let metrics = fenceline_telemetry::metrics::global();
+        ends.observe();
+        let metrics = &fenceline_telemetry::metrics::global().scheduler;
         metrics.grants.inc_by(round.granted as u64);
         tracing::Span::current().record("granted", round.granted);
         for late in &round.lateness {
@@ -243,6 +245,7 @@ impl Dispatcher {
         &self,
         tx: &mut PgConnection,
         round: &mut Round,
+        ends: &tasks::Ends,
         task_id: TaskId,
         now: Micros,
     ) -> Result<Tried, sqlx::Error> {
@@ -265,6 +268,7 @@ impl Dispatcher {
             settings: &self.settings,
             channel: &self.channel,
             statuses: None,
+            ends,
         };
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
             tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await.map_err(bus_error)?;

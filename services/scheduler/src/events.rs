@@ -29,6 +29,8 @@ pub struct LifecycleEvents {
     pub channel: Arc<str>,
     pub statuses: tasks::StatusBatch,
     pub held: HeldRows,
+    /// The tasks this consumer's batch finished, timed when it commits.
+    pub ends: tasks::Ends,
 }
 
 /// The task rows this consumer's batch has locked, as it last saved them: a
@@ -82,6 +84,7 @@ impl LifecycleEvents {
             settings: &self.settings,
             channel: &self.channel,
             statuses: Some(&self.statuses),
+            ends: &self.ends,
         }
     }
 
@@ -107,8 +110,9 @@ impl LifecycleEvents {
         let inserted: Vec<(Option<i64>, Option<Vec<u8>>, i64)> = sqlx::query_as(
             "WITH inserted AS ( \
                INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, \
-                 deadline_us, traceparent, due_at_us, version) \
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 1) ON CONFLICT (task_id) DO NOTHING \
+                 deadline_us, traceparent, due_at_us, version, accepted_at) \
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 1, to_timestamp($13::float8 / 1000000)) \
+               ON CONFLICT (task_id) DO NOTHING \
                RETURNING task_id, due_at_us), \
              early AS (DELETE FROM early_requests WHERE task_id IN (SELECT task_id FROM inserted) \
                RETURNING seq, value), \
@@ -127,6 +131,7 @@ impl LifecycleEvents {
         .bind(&traceparent)
         .bind(tasks::due_at(&task))
         .bind(&*self.channel)
+        .bind(e.accepted_at.0)
         .fetch_all(&mut *tx)
         .await?;
         if inserted.is_empty() {
@@ -144,7 +149,11 @@ impl LifecycleEvents {
             pending_signal: None,
             pending_step: None,
             traceparent,
+            accepted_at: e.accepted_at.0,
         };
+        if task.is_final() {
+            self.ends.keep(&self.catalog, &e.kind, task.state, e.accepted_at.0, now);
+        }
         self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
         for input in early {
             row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
@@ -222,6 +231,11 @@ impl Handler for LifecycleEvents {
     fn discard(&self) {
         self.held.clear();
         self.statuses.discard();
+        self.ends.discard();
+    }
+
+    fn committed(&self) {
+        self.ends.observe();
     }
 
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {

@@ -15,6 +15,7 @@ use fenceline_config::ServiceConfig;
 use fenceline_config::catalog::CatalogConfig;
 use fenceline_events::topics;
 use fenceline_runtime::{Error, ServiceApp};
+use fenceline_telemetry::metrics::{Group, StateLabels};
 
 /// The service's name: its log field, its database schema, its outbox producer.
 pub const NAME: &str = "scheduler";
@@ -85,8 +86,10 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     }
     let task_retention = config.scheduler.task_retention();
     let settings = Arc::new(config.scheduler);
-    let mut app =
-        ServiceApp::build(NAME, &config.service, &MIGRATOR, |_| |_: &mut actix_web::web::ServiceConfig| {}).await?;
+    let mut app = ServiceApp::build(NAME, &[Group::Scheduler], &config.service, &MIGRATOR, |_| {
+        |_: &mut actix_web::web::ServiceConfig| {}
+    })
+    .await?;
     // Commits that set a timer or free a slot notify this channel (one per schema).
     let channel: Arc<str> =
         format!("fenceline_{}_due", config.service.postgres.schema.as_deref().unwrap_or(NAME)).into();
@@ -108,7 +111,23 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         channel: channel.clone(),
         statuses: Default::default(),
         held: Default::default(),
+        ends: Default::default(),
     };
+    let pool = app.base.database.pool.clone();
+    app.base.scrape.probe(move || {
+        let pool = pool.clone();
+        async move {
+            match tasks::unfinished_by_state(&pool).await {
+                Ok(counts) => {
+                    let gauge = &fenceline_telemetry::metrics::global().scheduler.tasks;
+                    for (state, n) in counts {
+                        gauge.get_or_create(&StateLabels { state: state.as_str().into() }).set(n);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "reading the tasks by state for /metrics failed"),
+            }
+        }
+    });
     app.consume("lifecycle", &[topics::TASKS, topics::ATTEMPTS, topics::RECOVERY], handler)?;
     let dispatcher = dispatcher::Dispatcher {
         pool: app.base.database.pool.clone(),

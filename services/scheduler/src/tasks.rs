@@ -33,10 +33,22 @@ pub struct TaskRow {
     pub pending_step: Option<String>,
     /// The trace the task's work joins (its TaskAccepted's, as handled here).
     pub traceparent: Option<String>,
+    /// When intake accepted the task (its submission), in micros since the epoch.
+    pub accepted_at: Micros,
 }
 
-type RawRow =
-    (uuid::Uuid, String, String, String, sqlx::types::Json<Task>, i64, Option<String>, Option<String>, Option<String>);
+type RawRow = (
+    uuid::Uuid,
+    String,
+    String,
+    String,
+    sqlx::types::Json<Task>,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    i64,
+);
 
 impl From<RawRow> for TaskRow {
     fn from(r: RawRow) -> Self {
@@ -50,11 +62,13 @@ impl From<RawRow> for TaskRow {
             pending_signal: r.6,
             pending_step: r.7,
             traceparent: r.8,
+            accepted_at: r.9,
         }
     }
 }
 
-const SELECT: &str = "SELECT task_id, tenant, kind, input_json, lifecycle, version, pending_signal, pending_step, traceparent FROM tasks";
+const SELECT: &str = "SELECT task_id, tenant, kind, input_json, lifecycle, version, pending_signal, pending_step, \
+     traceparent, (extract(epoch FROM accepted_at) * 1000000)::bigint FROM tasks";
 
 /// Loads and row-locks a task.
 pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
@@ -99,6 +113,8 @@ pub struct Context<'a> {
     /// Where the transaction gathers its statuses, one per task, when it applies
     /// several inputs (a consumer's batch); `None` appends each status at once.
     pub statuses: Option<&'a StatusBatch>,
+    /// Where the transaction keeps the tasks it finishes, timed once it commits.
+    pub ends: &'a Ends,
 }
 
 impl Context<'_> {
@@ -157,6 +173,58 @@ impl StatusBatch {
     }
 }
 
+/// The tasks a transaction finished, each by kind and final state with the time
+/// from its submission: observed (`fenceline_task_duration_seconds`) only once the
+/// transaction committed, so a batch that rolls back and is applied again times
+/// its tasks once. A consumer's batch that falls back to a savepoint per event
+/// forgets, with the refused event, the ends its earlier events kept: a task may
+/// go untimed then, never timed twice.
+#[derive(Debug, Default)]
+pub struct Ends(std::sync::Mutex<Vec<(String, TaskState, f64)>>);
+
+impl Ends {
+    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<(String, TaskState, f64)>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps a task of `kind` that reached `state` at `now`, submitted at `accepted_at`.
+    /// A kind the catalogue does not know counts as `other`: labels stay a bounded set.
+    pub fn keep(&self, catalog: &Catalog, kind: &str, state: TaskState, accepted_at: Micros, now: Micros) {
+        let kind = if catalog.kind(kind).is_some() { kind } else { "other" };
+        let seconds = (now - accepted_at).max(0) as f64 / 1e6;
+        self.kept().push((kind.to_owned(), state, seconds));
+    }
+
+    /// Forgets what a rolled-back transaction kept.
+    pub fn discard(&self) {
+        self.kept().clear();
+    }
+
+    /// Times the kept tasks, once their transaction committed.
+    pub fn observe(&self) {
+        let metrics = &fenceline_telemetry::metrics::global().scheduler;
+        for (kind, state, seconds) in self.kept().drain(..) {
+            metrics.task_ended(&kind, state.as_str(), seconds);
+        }
+    }
+}
+
+/// Unfinished tasks by state, every unfinished state named (0 when none is in it):
+/// `fenceline_scheduler_tasks`, read at each scrape through `tasks_by_state`.
+pub async fn unfinished_by_state(pool: &sqlx::PgPool) -> Result<Vec<(TaskState, i64)>, sqlx::Error> {
+    let unfinished: Vec<&str> = TaskState::ALL.iter().filter(|s| !s.is_final()).map(|s| s.as_str()).collect();
+    let counted: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM tasks WHERE state = ANY($1) GROUP BY state")
+            .bind(&unfinished)
+            .fetch_all(pool)
+            .await?;
+    Ok(TaskState::ALL
+        .iter()
+        .filter(|s| !s.is_final())
+        .map(|s| (*s, counted.iter().find(|(k, _)| k == s.as_str()).map_or(0, |(_, n)| *n)))
+        .collect())
+}
+
 /// Applies `input` to a locked row, stores it, carries out the effects and
 /// publishes the status if anything visible changed. Returns the row as saved.
 pub async fn apply(
@@ -169,6 +237,9 @@ pub async fn apply(
     let policy = policy(ctx.catalog, &row.kind, ctx.settings);
     let transition = row.lifecycle.apply(input, now, &policy);
     count_policy_resends(ctx.catalog, row, &transition.task);
+    if let Some(state) = row.lifecycle.ended_in(&transition.task) {
+        ctx.ends.keep(ctx.catalog, &row.kind, state, row.accepted_at, now);
+    }
     let mut version = row.version;
     for effect in &transition.effects {
         carry_out(tx, ctx, row, &transition.task, effect, now).await?;
@@ -194,7 +265,7 @@ fn count_policy_resends(catalog: &Catalog, row: &TaskRow, task: &Task) {
                 .and_then(|k| k.steps.iter().find(|s| &s.name == step))
                 .and_then(|s| s.call())
                 .map_or("", |(provider, _)| provider);
-            fenceline_telemetry::metrics::global().policy_resent(provider, step, u64::from(made - before));
+            fenceline_telemetry::metrics::global().scheduler.policy_resent(provider, step, u64::from(made - before));
         }
     }
 }
@@ -368,6 +439,7 @@ mod tests {
             pending_signal: None,
             pending_step: None,
             traceparent: None,
+            accepted_at: 0,
         };
         status_of(&row, &row.lifecycle, version, 0)
     }

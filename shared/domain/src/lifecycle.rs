@@ -282,6 +282,12 @@ impl Task {
         self.state.is_final()
     }
 
+    /// The final state `next` reached, when the change from this task to `next`
+    /// is the one that finished it (a task finishes once).
+    pub fn ended_in(&self, next: &Task) -> Option<TaskState> {
+        (!self.is_final() && next.is_final()).then_some(next.state)
+    }
+
     fn is_live(&self, grant_id: GrantId) -> bool {
         self.live_grant == Some(grant_id)
     }
@@ -813,6 +819,35 @@ mod tests {
 
     fn failed(g: GrantId, class: ErrorClass) -> Input {
         Input::Failed { grant_id: g, class, message: "x".into(), retry_after: None, jitter: 0.5 }
+    }
+
+    #[test]
+    fn a_task_ends_once_in_the_state_that_finished_it() {
+        let accepted = Task::accepted(0, None, None);
+        let granted = accepted.apply(Input::Grant { grant_id: grant(1) }, 1, &POLICY).task;
+        assert_eq!(accepted.ended_in(&granted), None, "granted is not an end");
+        let cancelled = granted.apply(Input::CancelRequested, 2, &POLICY).task;
+        let cancelled = match cancelled.state {
+            TaskState::Cancelled => cancelled,
+            // A running attempt is cancelled first; its release ends the task.
+            _ => {
+                cancelled
+                    .apply(
+                        Input::Released {
+                            grant_id: grant(1),
+                            reason: ReleaseReason::Cancelled,
+                            step: None,
+                            signal: None,
+                        },
+                        3,
+                        &POLICY,
+                    )
+                    .task
+            }
+        };
+        assert_eq!(granted.ended_in(&cancelled), Some(TaskState::Cancelled));
+        let again = cancelled.apply(Input::CancelRequested, 4, &POLICY).task;
+        assert_eq!(cancelled.ended_in(&again), None, "a finished task does not end again");
     }
 
     #[test]

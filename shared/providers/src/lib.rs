@@ -172,8 +172,9 @@ impl HttpProvider {
     }
 
     /// A span for one exchange with the provider, a child of the caller's (so of
-    /// the task's trace), and the `traceparent` that carries it to the provider.
-    fn exchange_span(&self, request: &'static str) -> (tracing::Span, Option<String>) {
+    /// the task's trace), the `traceparent` that carries it to the provider, and
+    /// the instant the exchange began (for its latency).
+    fn exchange_span(&self, request: &'static str) -> (tracing::Span, Option<String>, std::time::Instant) {
         let span = tracing::info_span!(
             "provider call",
             otel.name = format!("{request} {}", self.name),
@@ -185,11 +186,11 @@ impl HttpProvider {
         );
         fenceline_telemetry::record_trace_id(&span);
         let traceparent = span.in_scope(fenceline_telemetry::current_traceparent);
-        (span, traceparent)
+        (span, traceparent, std::time::Instant::now())
     }
 
-    /// Counts an exchange by what it came to, and notes it on its span.
-    fn observed(&self, span: &tracing::Span, request: &'static str, answer: &CallAnswer) {
+    /// Counts and times an exchange by what it came to, and notes it on its span.
+    fn observed(&self, span: &tracing::Span, request: &'static str, started: std::time::Instant, answer: &CallAnswer) {
         let outcome = match answer {
             CallAnswer::Done { .. } => "done".to_owned(),
             CallAnswer::Accepted { .. } => "accepted".to_owned(),
@@ -199,7 +200,8 @@ impl HttpProvider {
             CallAnswer::Outcome(CallOutcome::Answered { status, .. }, _) => format!("status_{status}"),
         };
         span.record("outcome", outcome.as_str());
-        fenceline_telemetry::metrics::global().provider_call(&self.name, request, &outcome);
+        let seconds = started.elapsed().as_secs_f64();
+        fenceline_telemetry::metrics::global().providers.call(&self.name, request, &outcome, seconds);
     }
 
     /// How this provider's answers are read.
@@ -230,7 +232,7 @@ impl HttpProvider {
         let this = self.clone();
         let key = operation_key.to_owned();
         let body = serde_json::json!({ "operation": operation, "input": input });
-        let (span, traceparent) = self.exchange_span("start");
+        let (span, traceparent, started) = self.exchange_span("start");
         let answer = blocking(move || {
             let mut request = this.call_agent.post(format!("{}/v1/operations", this.base_url));
             if this.capabilities.idempotency_keys || this.capabilities.lookup {
@@ -246,7 +248,7 @@ impl HttpProvider {
         })
         .instrument(span.clone())
         .await;
-        self.observed(&span, "start", &answer);
+        self.observed(&span, "start", started, &answer);
         answer
     }
 
@@ -267,7 +269,7 @@ impl HttpProvider {
                 return CallAnswer::Outcome(CallOutcome::NotSent, Some(detail));
             }
         };
-        let (span, traceparent) = self.exchange_span("start");
+        let (span, traceparent, started) = self.exchange_span("start");
         let this = self.clone();
         let dialect = dialect.clone();
         let reading = blocking(move || {
@@ -297,7 +299,7 @@ impl HttpProvider {
         .instrument(span.clone())
         .await;
         self.remember_poll_url(&reading);
-        self.observed(&span, "start", &reading.answer);
+        self.observed(&span, "start", started, &reading.answer);
         reading.answer
     }
 
@@ -349,7 +351,7 @@ impl HttpProvider {
                 return CallAnswer::Outcome(CallOutcome::NotSent, Some(why));
             }
         };
-        let (span, traceparent) = self.exchange_span("poll");
+        let (span, traceparent, started) = self.exchange_span("poll");
         let this = self.clone();
         let dialect = dialect.clone();
         let reading = blocking(move || {
@@ -361,7 +363,7 @@ impl HttpProvider {
         .instrument(span.clone())
         .await;
         self.remember_poll_url(&reading);
-        self.observed(&span, "poll", &reading.answer);
+        self.observed(&span, "poll", started, &reading.answer);
         reading.answer
     }
 
@@ -372,12 +374,12 @@ impl HttpProvider {
         }
         let this = self.clone();
         let url = format!("{}/v1/operations/{request_id}", self.base_url);
-        let (span, traceparent) = self.exchange_span("poll");
+        let (span, traceparent, started) = self.exchange_span("poll");
         let answer =
             blocking(move || this.answer_of(with_trace(this.with_auth(this.agent.get(url)), traceparent).call()))
                 .instrument(span.clone())
                 .await;
-        self.observed(&span, "poll", &answer);
+        self.observed(&span, "poll", started, &answer);
         answer
     }
 
@@ -388,7 +390,7 @@ impl HttpProvider {
         }
         let this = self.clone();
         let url = format!("{}/v1/operations?operation_key={operation_key}", self.base_url);
-        let (span, traceparent) = self.exchange_span("lookup");
+        let (span, traceparent, started) = self.exchange_span("lookup");
         let key = operation_key.to_owned();
         let found = blocking(move || match with_trace(this.with_auth(this.agent.get(url)), traceparent).call() {
             Ok(r) if r.status().as_u16() == 404 => never_received(r, &key),
@@ -408,7 +410,8 @@ impl HttpProvider {
             Lookup::NoAnswer(_) => "no_answer",
         };
         span.record("outcome", outcome);
-        fenceline_telemetry::metrics::global().provider_call(&self.name, "lookup", outcome);
+        let seconds = started.elapsed().as_secs_f64();
+        fenceline_telemetry::metrics::global().providers.call(&self.name, "lookup", outcome, seconds);
         found
     }
 

@@ -53,7 +53,8 @@ pub(crate) async fn observe(
     };
     span.record("http.response.status_code", status);
     global()
-        .http_duration
+        .http
+        .duration
         .get_or_create(&HttpLabels { method, route, status })
         .observe(started.elapsed().as_secs_f64());
     result

@@ -333,9 +333,12 @@ impl std::fmt::Debug for ServiceApp {
 impl ServiceApp {
     /// Starts the shared base and binds the HTTP listener with the health routes
     /// and the service's own, which `routes` makes from the running base (its pool,
-    /// its outbox). Background work is added with `app.base.spawn` before `run`.
+    /// its outbox). `/metrics` shows the families every service has and those of
+    /// `metrics` (the service's own). Background work is added with
+    /// `app.base.spawn` before `run`.
     pub async fn build<R, F>(
         name: &'static str,
+        metrics: &[fenceline_telemetry::metrics::Group],
         config: &fenceline_config::ServiceConfig,
         migrator: &Migrator,
         routes: R,
@@ -345,6 +348,7 @@ impl ServiceApp {
         F: Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
     {
         config.validate()?;
+        fenceline_telemetry::metrics::install(name, metrics);
         let base = Base::start(
             name,
             BaseConfig { postgres: &config.postgres, kafka: &config.kafka, outbox: &config.outbox },

@@ -1,7 +1,8 @@
 //! `GET /metrics`: the process's metrics ([`fenceline_telemetry::metrics`]), with
-//! the gauges that are read rather than counted brought up to date at each scrape:
-//! consumer lag and counters, the outbox backlog, and whatever the service adds
-//! as a [`Probe`] (the reconciler's open cases and audit findings).
+//! what is read rather than counted brought up to date at each scrape: consumer
+//! lag and partitions, the bus's running counts, the outbox backlog, and whatever
+//! the service adds as a [`Probe`] (the scheduler's tasks by state, the
+//! reconciler's open cases and audit findings).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use actix_web::{HttpResponse, web};
 use fenceline_bus::{ConsumerStats, RelayStats};
-use fenceline_telemetry::metrics::{self, GroupLabels, PartitionLabels, global};
+use fenceline_telemetry::metrics::{self, GroupLabels, PartitionLabels, catch_up, global};
 
 /// A service's own refresh of gauges it reads from its tables, run at each scrape.
 pub type Probe = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
@@ -64,17 +65,14 @@ impl Scrape {
 
     async fn refresh(&self) {
         let _one = self.0.serial.lock().await;
-        let m = global();
+        let m = &global().bus;
         let consumers = lock(&self.0.consumers).clone();
         m.consumer_lag.clear();
         for (group, stats) in &consumers {
             let labels = GroupLabels { group: group.clone() };
-            let value = |counter: &std::sync::atomic::AtomicU64| {
-                i64::try_from(counter.load(Ordering::Relaxed)).unwrap_or(i64::MAX)
-            };
-            m.consumer_applied.get_or_create(&labels).set(value(&stats.applied));
-            m.consumer_dead_lettered.get_or_create(&labels).set(value(&stats.dead_lettered));
-            m.consumer_fenced_batches.get_or_create(&labels).set(value(&stats.fenced_batches));
+            catch_up(&m.consumer_applied.get_or_create(&labels), stats.applied.load(Ordering::Relaxed));
+            catch_up(&m.consumer_dead_lettered.get_or_create(&labels), stats.dead_lettered.load(Ordering::Relaxed));
+            catch_up(&m.consumer_fenced_batches.get_or_create(&labels), stats.fenced_batches.load(Ordering::Relaxed));
             let count =
                 |n: &std::sync::atomic::AtomicUsize| i64::try_from(n.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
             m.consumer_assigned.get_or_create(&labels).set(count(&stats.assigned_partitions));
@@ -84,10 +82,9 @@ impl Scrape {
             }
         }
         let relay = &self.0.relay;
-        let load = |n: &std::sync::atomic::AtomicU64| i64::try_from(n.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
-        m.outbox_published.set(load(&relay.published));
-        m.outbox_failed.set(load(&relay.failed_deliveries));
-        m.outbox_refused.set(load(&relay.refused));
+        catch_up(&m.outbox_published, relay.published.load(Ordering::Relaxed));
+        catch_up(&m.outbox_failed, relay.failed_deliveries.load(Ordering::Relaxed));
+        catch_up(&m.outbox_refused, relay.refused.load(Ordering::Relaxed));
         let backlog: Result<(i64, f64), sqlx::Error> = sqlx::query_as(
             "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 \
              FROM outbox WHERE published_at IS NULL AND refused_at IS NULL",

@@ -5,6 +5,7 @@
 
 pub mod metrics;
 mod otlp;
+mod process;
 
 use std::collections::HashMap;
 

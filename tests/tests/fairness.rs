@@ -243,7 +243,7 @@ async fn a_dispatch_round_reads_a_few_entries_per_tenant_and_provider_however_lo
 
     // Each head with its tenant and due time, in the order the dispatcher gets them.
     let heads = async |limit: i64, excluded: Vec<String>| -> Vec<(String, Option<String>, i64)> {
-        let ids: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(fenceline_scheduler::dispatcher::HEADS)
+        let ids: Vec<(uuid::Uuid, Option<String>)> = sqlx::query_as(fenceline_scheduler::dispatch::store::HEADS)
             .bind(1_000_000_i64)
             .bind(limit)
             .bind(excluded)
@@ -276,7 +276,7 @@ async fn a_dispatch_round_reads_a_few_entries_per_tenant_and_provider_however_lo
     for excluded in [vec![], vec!["img".to_owned()]] {
         let plan: serde_json::Value = sqlx::query_scalar(&format!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-            fenceline_scheduler::dispatcher::HEADS
+            fenceline_scheduler::dispatch::store::HEADS
         ))
         .bind(1_000_000_i64)
         .bind(32_i64)

@@ -28,8 +28,7 @@ pub(crate) fn now() -> Timestamp {
 /// Measures the offset to the database's clock (half the round trip is the error).
 pub(crate) async fn anchor(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
     let before = host_now_us();
-    let database: i64 =
-        sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetch_one(pool).await?;
+    let database: i64 = sqlx::query_scalar("SELECT now_us()").fetch_one(pool).await?;
     let after = host_now_us();
     OFFSET_US.store(database - before / 2 - after / 2, Ordering::Relaxed);
     Ok(())

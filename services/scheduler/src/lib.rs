@@ -1,7 +1,7 @@
 //! Scheduler: the authority on task state. Lifecycle, durable timers, concurrency slots, rate limits, backoff and fairness.
 
 mod clock;
-pub mod dispatcher;
+pub mod dispatch;
 pub mod events;
 pub mod health;
 pub mod retention;
@@ -129,7 +129,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         }
     });
     app.consume("lifecycle", &[topics::TASKS, topics::ATTEMPTS, topics::RECOVERY], handler)?;
-    let dispatcher = dispatcher::Dispatcher {
+    let dispatcher = dispatch::Dispatcher {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),
         catalog,
@@ -143,8 +143,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         let pool = pool.clone();
         async move {
             // Expired by the database's clock, which wrote the expiry (docs/execution.md, "Slots").
-            let expire = format!("DELETE FROM slots WHERE expires_at_us < {}", tasks::DB_NOW_US);
-            match sqlx::query(&expire).execute(&pool).await {
+            match sqlx::query("DELETE FROM slots WHERE expires_at_us < now_us()").execute(&pool).await {
                 Ok(r) if r.rows_affected() > 0 => {
                     tracing::warn!(expired = r.rows_affected(), "slots expired without their attempt's end");
                 }
@@ -153,12 +152,9 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
             }
             // A grant's slots at its other providers go with its own slot: expired, or
             // released by a scheduler that knows only `slots` (docs/deploy.md).
-            let orphans = format!(
-                "DELETE FROM other_provider_slots o WHERE o.expires_at_us < {} \
-                 OR NOT EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id)",
-                tasks::DB_NOW_US
-            );
-            if let Err(e) = sqlx::query(&orphans).execute(&pool).await {
+            let orphans = "DELETE FROM other_provider_slots o WHERE o.expires_at_us < now_us() \
+                 OR NOT EXISTS (SELECT 1 FROM slots s WHERE s.grant_id = o.grant_id)";
+            if let Err(e) = sqlx::query(orphans).execute(&pool).await {
                 tracing::warn!(error = %e, "expiring slots at other providers failed");
             }
             // A request kept for a task that never arrived outlives the consumer's dedup window no longer.

@@ -14,12 +14,6 @@ use std::time::Duration;
 
 use crate::SchedulerSettings;
 
-/// The database's clock, in micros since the epoch: the one clock slot expiry
-/// uses (docs/execution.md, "Slots"). Every scheduler instance writes and compares
-/// `expires_at_us` by it, so two hosts whose clocks differ agree on which slots live.
-/// Do not change: every slot expiry is written and compared in these units.
-pub(crate) const DB_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
-
 /// A task row as the scheduler keeps it.
 #[derive(Debug, Clone)]
 pub struct TaskRow {
@@ -328,10 +322,10 @@ async fn carry_out(
             // A slot whose end is never heard expires after twice the attempt budget,
             // by the database's clock.
             let lifetime_us = i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
-            sqlx::query(&format!(
+            sqlx::query(
                 "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
-                 VALUES ($1, $2, $3, $4, $5, {DB_NOW_US} + $6) ON CONFLICT DO NOTHING"
-            ))
+                 VALUES ($1, $2, $3, $4, $5, now_us() + $6) ON CONFLICT DO NOTHING",
+            )
             .bind(grant_id.as_uuid())
             .bind(row.task_id.as_uuid())
             .bind(&provider)

@@ -1,6 +1,7 @@
 //! Fenceline's decisions as pure functions: no tokio, no sqlx, no rdkafka. The I/O
 //! crates call these and carry out what they return.
 
+pub mod admission;
 pub mod approvals;
 pub mod calls;
 pub mod ids;

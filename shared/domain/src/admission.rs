@@ -442,15 +442,15 @@ mod tests {
             let mut round = Round::at(now);
             let facts = |fact: &Fact| match fact {
                 Fact::Spent { tenant } => {
-                    let t = TENANTS.iter().position(|n| n == tenant).unwrap();
+                    let t = TENANTS.iter().position(|n| n == tenant).expect("a known tenant");
                     Learnt::Spent(Amount::from_minor(spent[t]))
                 }
                 Fact::Provider { name } => {
-                    let p = &providers[PROVIDERS.iter().position(|n| n == name).unwrap()];
+                    let p = &providers[PROVIDERS.iter().position(|n| n == name).expect("a known provider")];
                     Learnt::Provider(p.ours.then(|| room(p.slots, p.allowed, p.tokens)))
                 }
                 Fact::TenantSlots { tenant, .. } => {
-                    Learnt::TenantSlots(held_by_tenant[TENANTS.iter().position(|n| n == tenant).unwrap()])
+                    Learnt::TenantSlots(held_by_tenant[TENANTS.iter().position(|n| n == tenant).expect("a known tenant")])
                 }
             };
             // The model: what each limit has left, kept independently of the round.
@@ -504,7 +504,7 @@ mod tests {
                 }
             }
             for (name, left, _) in round.buckets_taken() {
-                let p = PROVIDERS.iter().position(|n| *n == name).unwrap();
+                let p = PROVIDERS.iter().position(|n| *n == name).expect("a known provider");
                 prop_assert!((left - tokens[p]).abs() < 1e-6, "{} keeps {} tokens, the model {}", name, left, tokens[p]);
             }
         }
@@ -520,7 +520,7 @@ mod tests {
             let facts = |fact: &Fact| match fact {
                 Fact::Spent { .. } => Learnt::Spent(Amount::from_minor(0)),
                 Fact::Provider { name } => {
-                    let p = &providers[PROVIDERS.iter().position(|n| n == name).unwrap()];
+                    let p = &providers[PROVIDERS.iter().position(|n| n == name).expect("a known provider")];
                     Learnt::Provider(p.ours.then(|| room(p.slots, p.allowed, p.tokens)))
                 }
                 Fact::TenantSlots { .. } => Learnt::TenantSlots(0),

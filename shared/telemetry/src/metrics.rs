@@ -564,6 +564,8 @@ mod tests {
     #[test]
     fn a_service_exports_only_its_own_groups() {
         one_consumer_group();
+        // A family shows once it holds a series: one call, timed.
+        global().providers.call("img", "start", "done", 0.1);
         let intake = families(&page("intake", &[]));
         let executor = families(&page("executor", &[Group::Executor, Group::ProviderCalls]));
         for foreign in [names::GRANTS, names::TASKS, names::ATTEMPTS, names::PROVIDER_CALLS, names::OPEN_CASES] {

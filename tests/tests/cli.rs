@@ -142,6 +142,32 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
         as_tenant(&intake, &token_file, &["watch", &image, "--interval-ms", "200", "--timeout-s", "60"]).await;
     assert_eq!(watched.code, 0, "{watched:?}");
     assert!(watched.stdout.lines().last().is_some_and(|l| l.contains("succeeded")), "{watched:?}");
+    // Followed on intake's event stream, not by polling: a task due in two seconds is
+    // watched to its end although one poll interval is longer than the whole watch
+    // (a polling watch would give up at its first wait, exit 8).
+    let soon = (time::OffsetDateTime::now_utc() + Duration::from_secs(2))
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("an instant");
+    let due_soon = task_id(
+        &as_tenant(&intake, &token_file, &["submit", "image.generate", "{}", "--not-before", &soon, "--json"]).await,
+    );
+    let followed = as_tenant(
+        &intake,
+        &token_file,
+        &["watch", &due_soon, "--interval-ms", "600000", "--timeout-s", "60", "--json"],
+    )
+    .await;
+    assert_eq!(followed.code, 0, "{followed:?}");
+    let states: Vec<String> = followed
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|t| t["state"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        states.first().is_some_and(|s| s != "succeeded") && states.last().is_some_and(|s| s == "succeeded"),
+        "from waiting to succeeded, a line per change: {followed:?}"
+    );
     let got = as_tenant(&intake, &token_file, &["get", &image, "--json"]).await;
     assert_eq!((got.code, got.json()["state"].as_str()), (0, Some("succeeded")), "{got:?}");
     let shown = as_tenant(&intake, &token_file, &["get", &image]).await;
@@ -155,7 +181,7 @@ async fn the_command_line_submits_follows_and_acts_on_tasks_with_exit_codes_scri
     let succeeded = run(&["list", "--state", "succeeded", "--all", "--json"]).await;
     assert!(succeeded.stdout.contains(&image) && !succeeded.stdout.contains(&later), "{succeeded:?}");
     let table = run(&["list"]).await;
-    assert_eq!(table.stdout.lines().count(), 6, "a header and five tasks: {table:?}");
+    assert_eq!(table.stdout.lines().count(), 7, "a header and six tasks: {table:?}");
     // Piped, the full ids a script reads; spans back from now name instants.
     assert!(table.stdout.contains(&image), "piped: full ids: {table:?}");
     let recent = run(&["list", "--since", "1h", "--json"]).await;

@@ -199,10 +199,11 @@ pub struct WatchArgs {
     pub polling: Polling,
 }
 
-/// How `watch` polls.
+/// How `watch` reads: at each change intake's event stream announces, else by polling.
 #[derive(Debug, Clone, Copy, Args)]
 pub struct Polling {
-    /// Time between two reads, in milliseconds (at least 100).
+    /// Time between two reads where intake's event stream does not answer, in
+    /// milliseconds (at least 100); a label's tasks are read at most this often.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..))]
     pub interval_ms: u64,
     /// Stop watching after this many seconds (exit 8); the task goes on.

@@ -131,6 +131,27 @@ impl Client {
         finish(&url, request.call())
     }
 
+    /// `GET path` as a stream that never times out as a whole (the server's
+    /// heartbeats keep it alive): its body as a reader, or the error that stands for
+    /// an answer that is not a 2xx.
+    pub fn stream(&self, path: &str) -> Result<ureq::BodyReader<'static>, Error> {
+        let url = self.url(path);
+        let request = self
+            .authorized(self.agent.get(&url))
+            .header("Accept", "text/event-stream")
+            .config()
+            .timeout_global(None)
+            .build();
+        let mut response =
+            request.call().map_err(|e| Error::Unreachable { url: url.clone(), reason: e.to_string() })?;
+        let status = response.status().as_u16();
+        if !(200..300).contains(&status) {
+            let text = response.body_mut().read_to_string().unwrap_or_default();
+            return Err(Error::Problem(Problem::from_answer(status, &text)));
+        }
+        Ok(response.into_body().into_reader())
+    }
+
     /// `POST path` with a JSON body (or none) and extra headers.
     pub fn post(&self, path: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> Result<Answer, Error> {
         let url = self.url(path);

@@ -1,9 +1,11 @@
-//! Following tasks live: polls the task (or the list filtered by a label) and
-//! prints a line whenever what it shows changed, until the task is final or waits
-//! for a person, and says every 30 s without a change that it is still waiting.
+//! Following tasks live: reads the task (or the list filtered by a label) again
+//! whenever intake's event stream says it changed, and prints a line whenever what
+//! it shows changed, until the task is final or waits for a person; says every
+//! 30 s without a change that it is still waiting; polls where no stream answers.
 
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use fenceline_domain::ids::TaskId;
@@ -38,14 +40,63 @@ impl From<&TaskView> for Shown {
     }
 }
 
-/// Polls until `read` reports done, printing changes; rides out an unreachable or
-/// failing service (it says so once) until `polling.timeout_s`.
+/// What intake's event stream (`GET /v1/events`) said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Heard {
+    /// This task changed.
+    Task(TaskId),
+    /// The stream is live, or changes may have been missed: read everything again.
+    Everything,
+}
+
+/// Follows the event stream on a thread of its own, each event a wake-up; the
+/// channel closes when the stream ends.
+fn follow_events(client: &Client) -> Option<Receiver<Heard>> {
+    let stream = client.stream("/v1/events").ok()?;
+    let (tell, heard) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut event = String::new();
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { return };
+            if let Some(name) = line.strip_prefix("event:") {
+                event = name.trim().to_owned();
+            } else if let Some(data) = line.strip_prefix("data:") {
+                let said = match event.as_str() {
+                    "task" => serde_json::from_str::<serde_json::Value>(data.trim())
+                        .ok()
+                        .and_then(|task| task["task_id"].as_str().and_then(|id| id.parse().ok()))
+                        .map(Heard::Task),
+                    "ready" | "reset" => Some(Heard::Everything),
+                    _ => None,
+                };
+                if let Some(said) = said
+                    && tell.send(said).is_err()
+                {
+                    return;
+                }
+            } else if line.is_empty() {
+                event.clear();
+            }
+        }
+    });
+    Some(heard)
+}
+
+/// Reads until the watch is done, printing changes: again at each event about the
+/// tasks watched, or every `polling.interval_ms` where no event stream answers.
+/// Rides out an unreachable or failing service (it says so once) until
+/// `polling.timeout_s`.
 struct Poller<'a> {
     client: &'a Client,
     polling: Polling,
     json: bool,
     started: Instant,
     seen: BTreeMap<TaskId, Shown>,
+    /// Intake's event stream while it lasts.
+    events: Option<Receiver<Heard>>,
+    /// When the stream was last opened or tried: tried again at most every
+    /// [`READ_AT_LEAST_EVERY`] while the watch polls.
+    stream_tried_at: Instant,
     unavailable: bool,
     /// When what a task shows last changed.
     changed_at: Instant,
@@ -56,7 +107,13 @@ struct Poller<'a> {
 /// How long a watch stays quiet before it says it is still waiting.
 const STILL_WAITING_EVERY: Duration = Duration::from_secs(30);
 
+/// Longest a watch on the event stream goes without reading again: a change the
+/// stream could not carry is seen within this.
+const READ_AT_LEAST_EVERY: Duration = Duration::from_secs(15);
+
 impl<'a> Poller<'a> {
+    /// Opens the event stream before the first read, so that no change between the
+    /// read and the stream goes unheard.
     fn new(client: &'a Client, polling: Polling, json: bool) -> Self {
         let now = Instant::now();
         Poller {
@@ -65,6 +122,8 @@ impl<'a> Poller<'a> {
             json,
             started: now,
             seen: BTreeMap::new(),
+            events: follow_events(client),
+            stream_tried_at: now,
             unavailable: false,
             changed_at: now,
             quiet_since: now,
@@ -127,17 +186,61 @@ impl<'a> Poller<'a> {
         self.quiet_since = Instant::now();
     }
 
-    /// Sleeps until the next read, or fails once the time is up.
-    fn wait(&mut self) -> Result<(), Error> {
+    /// Waits until the next read: an event about `watched` (any task when `None`),
+    /// or the poll interval where no stream answers. Fails once the time is up.
+    fn wait(&mut self, watched: Option<TaskId>) -> Result<(), Error> {
         self.still_waiting();
-        let interval = Duration::from_millis(self.polling.interval_ms);
-        if let Some(limit) = self.polling.timeout_s
-            && self.started.elapsed() + interval > Duration::from_secs(limit)
-        {
-            return Err(Error::TimedOut(limit));
+        let left =
+            self.polling.timeout_s.map(|limit| Duration::from_secs(limit).saturating_sub(self.started.elapsed()));
+        if self.events.is_none() && self.stream_tried_at.elapsed() >= READ_AT_LEAST_EVERY {
+            self.stream_tried_at = Instant::now();
+            self.events = follow_events(self.client);
+            if self.events.is_some() {
+                // What changed while no stream was open is read first.
+                return Ok(());
+            }
         }
-        std::thread::sleep(interval);
-        Ok(())
+        let Some(events) = self.events.take() else {
+            let interval = Duration::from_millis(self.polling.interval_ms);
+            if let Some(limit) = self.polling.timeout_s
+                && left.is_some_and(|left| interval > left)
+            {
+                return Err(Error::TimedOut(limit));
+            }
+            std::thread::sleep(interval);
+            return Ok(());
+        };
+        let until = Instant::now() + READ_AT_LEAST_EVERY.min(left.unwrap_or(READ_AT_LEAST_EVERY));
+        let woken = loop {
+            let quiet_until = self.quiet_since + STILL_WAITING_EVERY;
+            match events.recv_timeout(until.min(quiet_until).saturating_duration_since(Instant::now())) {
+                Ok(Heard::Task(task)) if watched.is_some_and(|watched| watched != task) => {}
+                Ok(_) => break true,
+                Err(RecvTimeoutError::Timeout) if Instant::now() < until => self.still_waiting(),
+                Err(RecvTimeoutError::Timeout) => break false,
+                Err(RecvTimeoutError::Disconnected) => {
+                    eprintln!(
+                        "fenceline: intake's event stream ended; reading every {} ms instead",
+                        self.polling.interval_ms
+                    );
+                    return Ok(());
+                }
+            }
+        };
+        if woken && watched.is_none() {
+            // A list reads again at most once a second: changes that come together
+            // are read together.
+            std::thread::sleep(Duration::from_millis(self.polling.interval_ms.min(1_000)));
+            while events.try_recv().is_ok() {}
+        }
+        self.events = Some(events);
+        if woken {
+            return Ok(());
+        }
+        match self.polling.timeout_s {
+            Some(limit) if self.started.elapsed() >= Duration::from_secs(limit) => Err(Error::TimedOut(limit)),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -188,7 +291,7 @@ pub fn task_after(
                 return Ok(verdict(&task, wanted));
             }
         }
-        poller.wait()?;
+        poller.wait(Some(task_id))?;
     }
 }
 
@@ -206,7 +309,7 @@ pub fn label(client: &Client, label: &str, polling: Polling, json: bool, out: &m
                 return Ok(if verdicts.iter().all(|v| *v == Exit::Ok) { Exit::Ok } else { Exit::NotSucceeded });
             }
         }
-        poller.wait()?;
+        poller.wait(None)?;
     }
 }
 

@@ -51,8 +51,8 @@ async fn style() -> HttpResponse {
 
 /// `/ui`, `/ui/`, `/ui/app.js` and `/ui/app.css`; any other method answers `405`.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.service(crate::resource("/ui", "GET").route(web::get().to(index)))
-        .service(crate::resource("/ui/", "GET").route(web::get().to(index)))
-        .service(crate::resource("/ui/app.js", "GET").route(web::get().to(script)))
-        .service(crate::resource("/ui/app.css", "GET").route(web::get().to(style)));
+    cfg.service(crate::routes::resource("/ui", "GET").route(web::get().to(index)))
+        .service(crate::routes::resource("/ui/", "GET").route(web::get().to(index)))
+        .service(crate::routes::resource("/ui/app.js", "GET").route(web::get().to(script)))
+        .service(crate::routes::resource("/ui/app.css", "GET").route(web::get().to(style)));
 }

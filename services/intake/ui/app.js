@@ -79,7 +79,9 @@
   let lastOpened = null;      // the task to give focus back to in the list
   let nextCursor = null;
   let shown = 0;              // rows loaded in the task table
+  let wanted = 0;             // rows the table should hold: a page, and one more for each More
   let filteredSummary = null;
+  let tasksRead = 0;          // the latest read of the table: an answer to an earlier one is dropped
 
   class ApiError extends Error {}
 
@@ -164,7 +166,8 @@
       const name = hash === '#/cases' ? 'cases' : hash === '#/approvals' ? 'approvals' : 'tasks';
       selected = null;
       show(name);
-      (name === 'tasks' ? loadTasks(true) : loadQueue(queues[name], true)).catch(() => {});
+      // As many rows as it had: back from a task finds the list as it was left.
+      (name === 'tasks' ? loadTasks(false) : loadQueue(queues[name], false)).catch(() => {});
       loadSummary().catch(() => {});
       if (previous === 'task' && name === 'tasks' && lastOpened && focusRow(lastOpened)) return;
       if (previous) focusHeading(name);
@@ -398,8 +401,11 @@
 
   async function loadTasks(reset) {
     const query = filterQuery(true);
-    query.set('limit', String(reset ? perPage() : Math.min(MOST_PER_CALL, Math.max(perPage(), shown))));
+    if (reset) wanted = perPage();
+    query.set('limit', String(Math.min(MOST_PER_CALL, Math.max(perPage(), wanted))));
+    const read = ++tasksRead;
     const { status, data } = await api('GET', '/v1/tasks?' + query);
+    if (read !== tasksRead) return;
     if (status !== 200) { $('tasks-error').textContent = problemText(status, data); return; }
     $('tasks-error').textContent = '';
     const focused = document.activeElement && document.activeElement.closest('#task-rows tr');
@@ -418,7 +424,10 @@
     const query = filterQuery(true);
     query.set('limit', String(perPage()));
     query.set('cursor', nextCursor);
+    wanted = shown + perPage();
+    const read = ++tasksRead;
     const { status, data } = await api('GET', '/v1/tasks?' + query);
+    if (read !== tasksRead) return;
     if (status !== 200) { $('tasks-error').textContent = problemText(status, data); return; }
     $('task-rows').append(...data.tasks.map(taskRow));
     shown += data.tasks.length;
@@ -665,7 +674,7 @@
 
   const queues = {
     cases: {
-      name: 'cases', states: ['outcome_unknown', 'needs_human'], list: 'cases', total: 0, loaded: {}, cursors: {},
+      name: 'cases', states: ['outcome_unknown', 'needs_human'], list: 'cases', total: 0, loaded: {}, wanted: {}, cursors: {},
       key: (task) => (task.case ? caseKey(task) : null), card: (task, key) => caseCard(task, key, true),
       empty: 'Nothing waits for a decision.',
       actions: [
@@ -676,7 +685,7 @@
       ],
     },
     approvals: {
-      name: 'approvals', states: ['awaiting_approval'], list: 'approval-list', total: 0, loaded: {}, cursors: {},
+      name: 'approvals', states: ['awaiting_approval'], list: 'approval-list', total: 0, loaded: {}, wanted: {}, cursors: {},
       key: approvalKey, card: (task, key) => approvalCard(task, key, true),
       empty: 'No approval waits.',
       actions: [
@@ -701,11 +710,17 @@
   /** The queue's cards: from the start (`reset`, or as many as were loaded, read
    *  again); `more` adds each state's next page after its cursor. */
   async function loadQueue(queue, reset, more) {
+    const read = queue.read = (queue.read || 0) + 1;
     const pages = await Promise.all(queue.states.map((state) => {
-      if (more) return queue.cursors[state] ? readPage(state, perPage(), queue.cursors[state]) : { tasks: [], next: null };
-      const limit = reset ? perPage() : Math.min(MOST_PER_CALL, Math.max(perPage(), queue.loaded[state] || 0));
+      if (more) {
+        queue.wanted[state] = (queue.loaded[state] || 0) + perPage();
+        return queue.cursors[state] ? readPage(state, perPage(), queue.cursors[state]) : { tasks: [], next: null };
+      }
+      if (reset) queue.wanted[state] = perPage();
+      const limit = Math.min(MOST_PER_CALL, Math.max(perPage(), queue.wanted[state] || 0));
       return readPage(state, limit, null);
     }));
+    if (read !== queue.read) return;
     queue.states.forEach((state, i) => {
       queue.cursors[state] = pages[i].next;
       queue.loaded[state] = (more ? queue.loaded[state] || 0 : 0) + pages[i].tasks.length;
@@ -801,6 +816,9 @@
       if (outcome) outcome.textContent = result.text;
       if (result.ok) done += 1;
     }
+    // Acted on: a later bulk action starts from nothing selected.
+    for (const card of cards) card.querySelector('input.pick').checked = false;
+    showQueueTally(queue);
     status.textContent = action.label + ': ' + done + ' of ' + cards.length + ' done' +
       (done < cards.length ? ', ' + (cards.length - done) + ' refused (below).' : '.');
     for (const b of buttons) b.disabled = false;

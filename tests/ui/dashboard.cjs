@@ -142,7 +142,7 @@ async function audit(page, view, primary) {
     assert.deepEqual(grave, [], `${view} at ${width} has no serious or critical accessibility violation`);
     const file = path.join(ARTIFACTS, `${view}-${width}.png`);
     await page.screenshot({ path: file, fullPage: true });
-    say(`audited ${view} at ${width}: ${violations.length} minor violations; screenshot ${file}`);
+    say(`audited ${view} at ${width}: ${violations.length} violations, none serious or critical; screenshot ${file}`);
   }
   await page.setViewportSize(DESKTOP);
 }

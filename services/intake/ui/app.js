@@ -475,6 +475,9 @@
     $('detail').dataset.state = task.state;
     $('detail-id').textContent = task.task_id;
     place($('detail-actions'), taskActions(task));
+    // A case's or an approval's card above already shows its evidence, input and outputs.
+    const caseShown = Boolean(task.case) && queues.cases.states.includes(task.state);
+    const approvalShown = task.state === 'awaiting_approval';
     const facts = [
       ['kind', task.kind], ['state', stateBadge(task.state)], ['why', task.reason],
       ['attempt', String(task.attempt)], ['step', task.step], ['phase', task.phase],
@@ -484,9 +487,9 @@
       ['case', task.case_id], ['waiting for signal', task.awaiting_signal], ['trace id', task.trace_id],
     ].filter(([, v]) => v !== null && v !== undefined && v !== '' && !(Array.isArray(v) && v.length === 0));
     $('detail-facts').replaceChildren(...facts.flatMap(([k, v]) => [el('dt', { text: k }), el('dd', { 'data-fact': k }, v)]));
-    $('detail-case').replaceChildren(...(task.case ? [el('strong', { text: 'Evidence of case ' + task.case.case_id }), evidenceList(task.case.evidence)] : []));
-    $('detail-decided').replaceChildren(decidedOn(task),
-      ...(task.approval ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
+    $('detail-case').replaceChildren(...(task.case && !caseShown ? [el('strong', { text: 'Evidence of case ' + task.case.case_id }), evidenceList(task.case.evidence)] : []));
+    $('detail-decided').replaceChildren(caseShown || approvalShown ? '' : decidedOn(task),
+      ...(task.approval && !approvalShown ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
       ...((task.decisions || []).length ? [el('strong', { text: 'Decisions' }), decisionList(task.decisions)] : []),
       ...((task.resolved_cases || []).length ? [el('strong', { text: 'Resolved cases' }), resolvedList(task.resolved_cases)] : []));
     $('detail-attempts').replaceChildren(...(task.attempts || []).map((a) => el('tr', {},

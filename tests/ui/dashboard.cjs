@@ -302,7 +302,12 @@ async function main() {
     await page.waitForSelector(card, { state: 'detached', timeout: LONG });
 
     // The other two accepted as failed in one bulk action, named, each reported.
-    await page.check(`#cases article[data-task-id="${lostGreen}"] input.pick`);
+    // Selected with the keyboard: Space ticks the focused box, which shows its focus.
+    const greenBox = `#cases article[data-task-id="${lostGreen}"] input.pick`;
+    await page.focus(greenBox);
+    await page.keyboard.press('Space');
+    assert.ok(await page.isChecked(greenBox), 'Space selects the case');
+    await assertFocusShown(page, 'the case\'s select box');
     await page.check(`#cases article[data-task-id="${lostYellow}"] input.pick`);
     await waitText(page, '#cases-picked', '2 selected');
     await page.fill('#cases-bulk-name', '');

@@ -169,7 +169,7 @@
       // As many rows as it had: back from a task finds the list as it was left.
       (name === 'tasks' ? loadTasks(false) : loadQueue(queues[name], false)).catch(() => {});
       loadSummary().catch(() => {});
-      if (previous === 'task' && name === 'tasks' && lastOpened && focusRow(lastOpened)) return;
+      if (previous === 'task' && name === 'tasks' && lastOpened && focusRow(lastOpened, true)) return;
       if (previous) focusHeading(name);
     }
   }
@@ -190,11 +190,13 @@
     heading.focus({ preventScroll: true });
   }
 
-  function focusRow(taskId) {
+  /** Gives the focus to the task's link in the list; `reveal` scrolls it into sight
+   *  (back from the task), a row redrawn in place keeps the page where it was. */
+  function focusRow(taskId, reveal) {
     const link = document.querySelector('tr[data-task-id="' + CSS.escape(taskId) + '"] a.task-link');
     if (!link) return false;
     link.focus({ preventScroll: true });
-    link.scrollIntoView({ block: 'center' });
+    if (reveal) link.scrollIntoView({ block: 'center' });
     return true;
   }
 
@@ -277,7 +279,11 @@
   /** One task changed: update its row at once, then refresh counts and the view. */
   function onTask(task) {
     const row = document.querySelector('tr[data-task-id="' + CSS.escape(String(task.task_id)) + '"]');
-    if (row && Number(row.dataset.version) <= Number(task.version)) row.replaceWith(taskRow(task));
+    if (row && Number(row.dataset.version) <= Number(task.version)) {
+      const focused = row.contains(document.activeElement);
+      row.replaceWith(taskRow(task));
+      if (focused) focusRow(String(task.task_id));
+    }
     if (selected === task.task_id) scheduleDetail();
     scheduleRefresh();
   }

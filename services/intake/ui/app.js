@@ -166,6 +166,8 @@
       const name = hash === '#/cases' ? 'cases' : hash === '#/approvals' ? 'approvals' : 'tasks';
       selected = null;
       show(name);
+      const bulkName = $(name + '-bulk-name');
+      if (bulkName && !bulkName.value) bulkName.value = rememberedName();
       // As many rows as it had: back from a task finds the list as it was left.
       (name === 'tasks' ? loadTasks(false) : loadQueue(queues[name], false)).catch(() => {});
       loadSummary().catch(() => {});

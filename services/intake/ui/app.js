@@ -5,10 +5,12 @@
 
 (() => {
   const TOKEN_KEY = 'fenceline.dashboard.token';
+  const NAME_KEY = 'fenceline.dashboard.name';
+  const PER_PAGE_KEY = 'fenceline.dashboard.per-page';
   const STATES = ['queued', 'waiting', 'running', 'awaiting_approval', 'outcome_unknown', 'needs_human',
     'succeeded', 'failed', 'cancelled'];
-  const PAGE = 50;
-  const SHOWN_CASES = 20;
+  const FINAL = ['succeeded', 'failed', 'cancelled'];
+  const MOST_PER_CALL = 200;
 
   const $ = (id) => document.getElementById(id);
 
@@ -30,13 +32,41 @@
     return node;
   }
 
-  const when = (iso) => {
-    if (!iso) return '';
-    const d = new Date(iso);
-    return Number.isNaN(d.getTime()) ? String(iso) : d.toLocaleString();
-  };
+  // --- instants: absolute in UTC with milliseconds, and how long ago --------------------
+
+  const utc = (date) => date.toISOString().replace('T', ' ').replace('Z', ' UTC');
+
+  function ago(date) {
+    const seconds = Math.round((Date.now() - date.getTime()) / 1000);
+    const size = Math.abs(seconds);
+    const span = size < 60 ? size + ' s'
+      : size < 3600 ? Math.floor(size / 60) + ' min'
+        : size < 86400 ? Math.floor(size / 3600) + ' h ' + Math.floor((size % 3600) / 60) + ' min'
+          : Math.floor(size / 86400) + ' d ' + Math.floor((size % 86400) / 3600) + ' h';
+    return seconds < 0 ? 'in ' + span : span + ' ago';
+  }
+
+  /** An instant as a <time>: "2025-05-01 12:00:03.042 UTC (12 s ago)"; the second
+   *  part is brought up to date every few seconds. */
+  function when(iso) {
+    if (!iso) return null;
+    const date = new Date(iso);
+    if (Number.isNaN(date.getTime())) return document.createTextNode(String(iso));
+    return el('time', { class: 'stamp', datetime: date.toISOString() },
+      el('span', { class: 'utc', text: utc(date) }), ' ', el('span', { class: 'ago', text: '(' + ago(date) + ')' }));
+  }
+
+  function refreshAgo() {
+    for (const stamp of document.querySelectorAll('time.stamp')) {
+      stamp.querySelector('.ago').textContent = '(' + ago(new Date(stamp.dateTime)) + ')';
+    }
+  }
+
   const short = (id) => String(id || '').slice(-12);
   const stateBadge = (state) => el('span', { class: 'state state-' + String(state).replace(/[^a-z_]/g, ''), text: state });
+  const taskHref = (taskId) => '#/tasks/' + encodeURIComponent(taskId);
+  /** A link to a task's own view; the only links the page makes from data are these fragments. */
+  const taskLink = (taskId) => el('a', { class: 'task-link mono', href: taskHref(taskId), title: taskId, text: short(taskId) });
 
   // --- session ----------------------------------------------------------------------
 
@@ -44,9 +74,14 @@
   let tenant = null;
   let stream = null;          // AbortController of the event stream
   let lastEventId = null;
-  let selected = null;        // the task shown in detail
+  let view = null;            // 'tasks', 'cases', 'approvals' or 'task'
+  let selected = null;        // the task whose view is open
+  let lastOpened = null;      // the task to give focus back to in the list
   let nextCursor = null;
   let shown = 0;              // rows loaded in the task table
+  let wanted = 0;             // rows the table should hold: a page, and one more for each More
+  let filteredSummary = null;
+  let tasksRead = 0;          // the latest read of the table: an answer to an earlier one is dropped
 
   class ApiError extends Error {}
 
@@ -69,6 +104,9 @@
 
   const problemText = (status, data) =>
     (data && (data.detail || data.title)) ? String(data.detail || data.title) : 'answered ' + status;
+  const problemTitle = (status, data) => (data && data.title ? String(data.title) : 'answered ' + status);
+
+  const perPage = () => Number($('per-page').value) || 20;
 
   async function signIn(candidate) {
     token = candidate;
@@ -79,9 +117,10 @@
     $('tenant').textContent = 'tenant ' + tenant;
     $('sign-in').hidden = true;
     $('board').hidden = false;
+    $('views').hidden = false;
     $('sign-out').hidden = false;
-    renderSummary(data);
-    loadSpend();
+    renderCounts(data);
+    route();
     openStream();
   }
 
@@ -92,19 +131,91 @@
     tenant = null;
     lastEventId = null;
     selected = null;
+    view = null;
     sessionStorage.removeItem(TOKEN_KEY);
     $('tenant').textContent = '';
     setLive(false);
     $('board').hidden = true;
-    $('detail').hidden = true;
+    $('views').hidden = true;
     $('sign-out').hidden = true;
     $('sign-in').hidden = false;
-    for (const id of ['task-rows', 'cases', 'approval-list', 'states', 'timeline', 'detail-facts', 'detail-attempts', 'detail-case']) {
-      $(id).replaceChildren();
+    for (const id of ['task-rows', 'cases', 'approval-list', 'states', 'timeline', 'detail-facts', 'detail-attempts',
+      'detail-case', 'detail-decided', 'detail-actions', 'cases-results', 'approvals-results']) {
+      if ($(id)) $(id).replaceChildren();
     }
-    for (const id of ['detail-id', 'decisions-count', 'approvals-count', 'tasks-error']) $(id).textContent = '';
+    for (const id of ['detail-id', 'decisions-count', 'approvals-count', 'tasks-error', 'detail-error', 'nav-tasks-count',
+      'nav-cases-count', 'nav-approvals-count', 'cases-shown', 'approvals-shown', 'tasks-shown']) $(id).textContent = '';
     knownCards.clear();
+    delete $('detail').dataset.taskId;
     $('sign-in-error').textContent = message || '';
+    $('token').focus();
+  }
+
+  // --- views: one URL each (#/tasks, #/tasks/<id>, #/cases, #/approvals) ----------------
+
+  /** Shows the view the address names; back, forward and a pasted address come here. */
+  function route() {
+    if (!token) return;
+    const hash = location.hash || '#/tasks';
+    const one = /^#\/tasks\/([^/?#]+)$/.exec(hash);
+    const previous = view;
+    if (one) {
+      show('task');
+      openTask(decodeURIComponent(one[1]));
+    } else {
+      const name = hash === '#/cases' ? 'cases' : hash === '#/approvals' ? 'approvals' : 'tasks';
+      selected = null;
+      show(name);
+      const bulkName = $(name + '-bulk-name');
+      if (bulkName && !bulkName.value) bulkName.value = rememberedName();
+      // As many rows as it had: back from a task finds the list as it was left.
+      (name === 'tasks' ? loadTasks(false) : loadQueue(queues[name], false)).catch(() => {});
+      loadSummary().catch(() => {});
+      if (previous === 'task' && name === 'tasks' && lastOpened && focusRow(lastOpened, true)) return;
+      if (previous) focusHeading(name);
+    }
+  }
+
+  function show(name) {
+    view = name;
+    for (const section of document.querySelectorAll('#board .view')) section.hidden = section.dataset.view !== name;
+    for (const link of document.querySelectorAll('#views a')) {
+      if (link.dataset.view === name || (name === 'task' && link.dataset.view === 'tasks')) link.setAttribute('aria-current', 'page');
+      else link.removeAttribute('aria-current');
+    }
+  }
+
+  const HEADINGS = { tasks: 'tasks-title', cases: 'cases-title', approvals: 'approvals-title', task: 'detail-title' };
+  function focusHeading(name) {
+    const heading = $(HEADINGS[name]);
+    window.scrollTo(0, 0);
+    heading.focus({ preventScroll: true });
+  }
+
+  /** Gives the focus to the task's link in the list; `reveal` scrolls it into sight
+   *  (back from the task), a row redrawn in place keeps the page where it was. */
+  function focusRow(taskId, reveal) {
+    const link = document.querySelector('tr[data-task-id="' + CSS.escape(taskId) + '"] a.task-link');
+    if (!link) return false;
+    link.focus({ preventScroll: true });
+    if (reveal) link.scrollIntoView({ block: 'center' });
+    return true;
+  }
+
+  function openTask(taskId) {
+    selected = taskId;
+    lastOpened = taskId;
+    if ($('detail').dataset.taskId !== taskId) {
+      $('detail').dataset.taskId = taskId;
+      delete $('detail').dataset.state;
+      $('detail-id').textContent = taskId;
+      for (const id of ['detail-facts', 'detail-case', 'detail-decided', 'detail-actions', 'detail-attempts', 'timeline']) {
+        $(id).replaceChildren();
+      }
+    }
+    $('detail-error').textContent = '';
+    focusHeading('task');
+    loadDetail(taskId).catch(() => {});
   }
 
   // --- live updates: server-sent events read with fetch() (the token is a header) ------
@@ -167,10 +278,14 @@
     }
   }
 
-  /** One task changed: update its row at once, then refresh counts and queues. */
+  /** One task changed: update its row at once, then refresh counts and the view. */
   function onTask(task) {
     const row = document.querySelector('tr[data-task-id="' + CSS.escape(String(task.task_id)) + '"]');
-    if (row && Number(row.dataset.version) <= Number(task.version)) row.replaceWith(taskRow(task));
+    if (row && Number(row.dataset.version) <= Number(task.version)) {
+      const focused = row.contains(document.activeElement);
+      row.replaceWith(taskRow(task));
+      if (focused) focusRow(String(task.task_id));
+    }
     if (selected === task.task_id) scheduleDetail();
     scheduleRefresh();
   }
@@ -183,12 +298,16 @@
     refreshTimer = setTimeout(() => { refreshTimer = null; refreshAll(); }, 400);
   }
 
+  /** The counts, and what the open view shows; the others load when opened. */
   async function refreshAll() {
     if (!token) return;
     if (refreshing) { refreshAgain = true; return; }
     refreshing = true;
     try {
-      await Promise.all([loadSummary(), loadTasks(false), loadCases(), loadApprovals(), selected ? loadDetail(selected) : null]);
+      await Promise.all([loadSummary(),
+        view === 'tasks' ? loadTasks(false) : null,
+        view === 'cases' || view === 'approvals' ? loadQueue(queues[view], false) : null,
+        view === 'task' && selected ? loadDetail(selected) : null]);
     } catch (e) {
       if (!(e instanceof ApiError)) $('tasks-error').textContent = 'Reading the API failed: ' + e.message;
     } finally {
@@ -220,10 +339,37 @@
     return query;
   }
 
+  /** The counts by state within the filters, and the true counts of the tenant's
+   *  queues (without filters) for the views' links. */
   async function loadSummary() {
-    const { status, data } = await api('GET', '/v1/summary?' + filterQuery(false));
-    if (status === 200) renderSummary(data);
+    const filters = filterQuery(false);
+    const [filtered, whole] = await Promise.all([
+      api('GET', '/v1/summary?' + filters),
+      [...filters.keys()].length ? api('GET', '/v1/summary') : null,
+    ]);
+    if (filtered.status === 200) {
+      filteredSummary = filtered.data;
+      renderSummary(filtered.data);
+      renderCounts(whole && whole.status === 200 ? whole.data : filtered.data);
+    }
     loadSpend();
+  }
+
+  const count = (summary, states) => states.reduce((sum, state) => sum + Number(summary.states[state] || 0), 0);
+
+  function renderCounts(summary) {
+    const total = count(summary, STATES);
+    const cases = count(summary, queues.cases.states);
+    const approvals = count(summary, queues.approvals.states);
+    $('nav-tasks-count').textContent = '(' + total + ')';
+    $('nav-cases-count').textContent = '(' + cases + ')';
+    $('nav-approvals-count').textContent = '(' + approvals + ')';
+    $('decisions-count').textContent = '(' + cases + ')';
+    $('approvals-count').textContent = '(' + approvals + ')';
+    queues.cases.total = cases;
+    queues.approvals.total = approvals;
+    for (const queue of Object.values(queues)) showQueueTally(queue);
+    showTaskTally();
   }
 
   /** Today's spend and the tenant's budget, from GET /v1/spend (minor units). */
@@ -248,79 +394,98 @@
       type: 'button',
       class: 'chip state-' + state + (active === state ? ' active' : ''),
       'data-state': state,
+      'aria-pressed': active === state ? 'true' : 'false',
       onclick: () => { $('filter-state').value = active === state ? '' : state; loadTasks(true); loadSummary(); },
     }, state.replace(/_/g, ' '), el('span', { class: 'n', text: String(summary.states[state] || 0) })));
     $('states').replaceChildren(...chips);
   }
 
+  function showTaskTally() {
+    if (!filteredSummary) return;
+    const state = $('filter-state').value;
+    const total = state ? Number(filteredSummary.states[state] || 0) : count(filteredSummary, STATES);
+    $('tasks-shown').textContent = 'Showing ' + shown + ' of ' + total + '.';
+  }
+
   async function loadTasks(reset) {
     const query = filterQuery(true);
-    query.set('limit', String(reset ? PAGE : Math.min(200, Math.max(PAGE, shown))));
+    if (reset) wanted = perPage();
+    query.set('limit', String(Math.min(MOST_PER_CALL, Math.max(perPage(), wanted))));
+    const read = ++tasksRead;
     const { status, data } = await api('GET', '/v1/tasks?' + query);
+    if (read !== tasksRead) return;
     if (status !== 200) { $('tasks-error').textContent = problemText(status, data); return; }
     $('tasks-error').textContent = '';
+    const focused = document.activeElement && document.activeElement.closest('#task-rows tr');
+    const focusedId = focused ? focused.dataset.taskId : null;
     $('task-rows').replaceChildren(...data.tasks.map(taskRow));
+    if (focusedId) focusRow(focusedId);
     shown = data.tasks.length;
     nextCursor = data.next_cursor || null;
     $('more').hidden = !nextCursor;
     $('tasks-empty').hidden = shown > 0;
+    showTaskTally();
   }
 
   async function loadMore() {
     if (!nextCursor) return;
     const query = filterQuery(true);
-    query.set('limit', String(PAGE));
+    query.set('limit', String(perPage()));
     query.set('cursor', nextCursor);
+    wanted = shown + perPage();
+    const read = ++tasksRead;
     const { status, data } = await api('GET', '/v1/tasks?' + query);
+    if (read !== tasksRead) return;
     if (status !== 200) { $('tasks-error').textContent = problemText(status, data); return; }
     $('task-rows').append(...data.tasks.map(taskRow));
     shown += data.tasks.length;
     nextCursor = data.next_cursor || null;
     $('more').hidden = !nextCursor;
+    showTaskTally();
   }
 
   const labels = (map) => Object.entries(map || {}).map(([k, v]) => el('span', { class: 'label', text: k + ':' + v }));
 
+  /** One row: its id is a link to the task's view (Tab, then Enter); a click anywhere
+   *  on the row opens it too. */
   function taskRow(task) {
     return el('tr', {
       'data-task-id': task.task_id,
       'data-state': task.state,
       'data-version': task.version,
-      class: selected === task.task_id ? 'selected' : '',
-      onclick: () => select(task.task_id),
+      onclick: (event) => { if (!event.target.closest('a, button, input')) location.hash = taskHref(task.task_id); },
     },
-    el('td', { class: 'mono', title: task.task_id, text: short(task.task_id) }),
-    el('td', { text: task.kind }),
-    el('td', { class: 'state-cell' }, stateBadge(task.state)),
-    el('td', { text: task.reason || '' }),
-    el('td', { text: String(task.attempt) }),
-    el('td', { text: [task.step, task.phase].filter(Boolean).join(' · ') }),
-    el('td', {}, labels(task.labels)),
-    el('td', { text: when(task.updated_at) }));
+    el('td', { 'data-label': 'Task' }, taskLink(task.task_id)),
+    el('td', { 'data-label': 'Kind', text: task.kind }),
+    el('td', { 'data-label': 'State', class: 'state-cell' }, stateBadge(task.state)),
+    el('td', { 'data-label': 'Why', text: task.reason || '' }),
+    el('td', { 'data-label': 'Attempt', text: String(task.attempt) }),
+    el('td', { 'data-label': 'Step · phase', text: [task.step, task.phase].filter(Boolean).join(' · ') }),
+    el('td', { 'data-label': 'Labels' }, labels(task.labels)),
+    el('td', { 'data-label': 'Updated' }, when(task.updated_at)));
   }
 
-  // --- one task: facts, attempts, timeline ------------------------------------------
-
-  function select(taskId) {
-    selected = taskId;
-    for (const row of document.querySelectorAll('#task-rows tr')) {
-      row.classList.toggle('selected', row.dataset.taskId === taskId);
-    }
-    loadDetail(taskId).catch(() => {});
-  }
+  // --- one task: what can be done, facts, attempts, timeline -------------------------
 
   async function loadDetail(taskId) {
     const { status, data } = await api('GET', '/v1/tasks/' + encodeURIComponent(taskId));
     if (selected !== taskId) return;
-    if (status !== 200) { $('detail').hidden = true; return; }
+    if (status !== 200) {
+      $('detail-error').textContent = status === 404 ? 'No task ' + taskId + ' for this tenant.' : problemText(status, data);
+      return;
+    }
+    $('detail-error').textContent = '';
     renderDetail(data);
   }
 
   function renderDetail(task) {
-    $('detail').hidden = false;
     $('detail').dataset.taskId = task.task_id;
     $('detail').dataset.state = task.state;
     $('detail-id').textContent = task.task_id;
+    place($('detail-actions'), taskActions(task));
+    // A case's or an approval's card above already shows its evidence, input and outputs.
+    const caseShown = Boolean(task.case) && queues.cases.states.includes(task.state);
+    const approvalShown = task.state === 'awaiting_approval';
     const facts = [
       ['kind', task.kind], ['state', stateBadge(task.state)], ['why', task.reason],
       ['attempt', String(task.attempt)], ['step', task.step], ['phase', task.phase],
@@ -330,24 +495,53 @@
       ['case', task.case_id], ['waiting for signal', task.awaiting_signal], ['trace id', task.trace_id],
     ].filter(([, v]) => v !== null && v !== undefined && v !== '' && !(Array.isArray(v) && v.length === 0));
     $('detail-facts').replaceChildren(...facts.flatMap(([k, v]) => [el('dt', { text: k }), el('dd', { 'data-fact': k }, v)]));
-    $('detail-case').replaceChildren(...(task.case ? [evidenceList(task.case.evidence)] : []));
-    $('detail-decided').replaceChildren(decidedOn(task),
-      ...(task.approval ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
+    $('detail-case').replaceChildren(...(task.case && !caseShown ? [el('strong', { text: 'Evidence of case ' + task.case.case_id }), evidenceList(task.case.evidence)] : []));
+    $('detail-decided').replaceChildren(caseShown || approvalShown ? '' : decidedOn(task),
+      ...(task.approval && !approvalShown ? [el('strong', { text: 'Waiting for approval' }), approvalFacts(task.approval)] : []),
       ...((task.decisions || []).length ? [el('strong', { text: 'Decisions' }), decisionList(task.decisions)] : []),
       ...((task.resolved_cases || []).length ? [el('strong', { text: 'Resolved cases' }), resolvedList(task.resolved_cases)] : []));
     $('detail-attempts').replaceChildren(...(task.attempts || []).map((a) => el('tr', {},
       el('td', { text: String(a.attempt) }), el('td', { text: a.outcome }), el('td', { text: a.error_class || '' }),
       el('td', { text: a.detail || '' }),
       el('td', { text: a.money_may_have_been_spent === null || a.money_may_have_been_spent === undefined ? '' : (a.money_may_have_been_spent ? 'yes' : 'no') }),
-      el('td', { text: a.recovery || '' }), el('td', { text: when(a.started_at) }), el('td', { text: when(a.ended_at) }))));
+      el('td', { text: a.recovery || '' }), el('td', {}, when(a.started_at)), el('td', {}, when(a.ended_at)))));
     $('timeline').replaceChildren(...(task.timeline || []).map((line) => el('li', { 'data-event': line.event },
-      el('span', { class: 'when', text: when(line.at) }),
+      el('span', { class: 'when' }, when(line.at)),
       el('span', { class: 'who', text: line.source }),
       el('span', { class: 'mono', text: line.event }),
       el('span', {},
         [line.attempt ? 'attempt ' + line.attempt : null, line.step, line.phase].filter(Boolean).join(' · '),
         line.detail ? el('div', { text: line.detail }) : null,
         line.trace_id ? el('span', { class: 'trace mono', text: 'trace ' + line.trace_id }) : null))));
+  }
+
+  /** What a person can do about the task from its own view: its approval or its
+   *  case, and cancelling a task that has not finished. Kept across refreshes. */
+  function taskActions(task) {
+    const cards = [];
+    const keep = (key, make) => {
+      if (!knownCards.has(key)) knownCards.set(key, make());
+      cards.push(knownCards.get(key));
+    };
+    if (task.state === 'awaiting_approval') keep('view:' + approvalKey(task), () => approvalCard(task, 'view:' + approvalKey(task), false));
+    if (task.case && queues.cases.states.includes(task.state)) keep('view:' + caseKey(task), () => caseCard(task, 'view:' + caseKey(task), false));
+    if (!FINAL.includes(task.state)) keep('view:cancel:' + task.task_id, () => cancelBox(task, 'view:cancel:' + task.task_id));
+    return cards;
+  }
+
+  function cancelBox(task, key) {
+    const outcome = el('div', { class: 'outcome', role: 'status' });
+    const button = el('button', { type: 'button', class: 'danger cancel', onclick: async () => {
+      button.disabled = true;
+      outcome.textContent = 'Sending…';
+      const result = await cancelTask(task);
+      outcome.textContent = result.text;
+      if (!result.ok) button.disabled = false;
+      scheduleRefresh();
+    } }, 'Cancel task');
+    return el('div', { class: 'action cancel-box', 'data-key': key },
+      el('p', { text: 'Cancel: no further attempt starts; a running one is asked to stop. Recorded under this token.' }),
+      button, outcome);
   }
 
   /** The most characters of one value shown before "Show all". */
@@ -374,8 +568,8 @@
   /** One step's output: the artifact's link for a file result, else the value. */
   function stepOutput(o) {
     return el('div', { class: 'step-output', 'data-step': o.step },
-      el('div', { class: 'hint' }, el('strong', { text: o.step }), ' · generation ' + o.generation + ' · ' + when(o.checkpointed_at) +
-        (o.provider ? ' · ' + o.provider + (o.cost_minor !== undefined && o.cost_minor !== null ? ' · cost ' + o.cost_minor : ' · unpriced') : '')),
+      el('div', { class: 'hint' }, el('strong', { text: o.step }), ' · generation ' + o.generation + ' · ', when(o.checkpointed_at),
+        o.provider ? ' · ' + o.provider + (o.cost_minor !== undefined && o.cost_minor !== null ? ' · cost ' + o.cost_minor : ' · unpriced') : ''),
       o.artifact_uri ? el('div', {}, 'artifact ', artifactLink(o.artifact_uri), ' · sha256 ', el('code', { text: o.sha256 }))
         : o.output !== undefined && o.output !== null ? jsonBlock(o.output)
           : el('div', { class: 'hint', text: 'Not shown (too large to travel); at ' + o.output_ref }));
@@ -410,7 +604,7 @@
     return el('ol', { class: 'decisions' }, (decisions || []).map((d) => el('li', { 'data-decision': d.decision },
       el('div', {}, el('strong', { text: d.decision === 'reject' ? 'Rejected' : 'Approved' }),
         ' step ' + d.step + ' (generation ' + d.generation + ') by ', el('strong', { text: d.decided_by }),
-        ' · ' + when(d.decided_at)),
+        ' · ', when(d.decided_at)),
       el('div', { class: 'hint', text: 'token ' + d.token_identity + (d.digest ? ' · digest ' + d.digest : ' · no digest named') }),
       d.note ? el('blockquote', { text: d.note }) : null,
       el('details', {}, el('summary', { text: 'What it rested on' }), jsonBlock(d.rests_on)))));
@@ -420,7 +614,7 @@
   function resolvedList(resolved) {
     return el('ol', { class: 'resolved' }, resolved.map((r) => el('li', { 'data-case-id': r.case_id },
       el('div', {}, 'Case ' + r.case_id + ' resolved with ', el('strong', { text: r.action.replace(/_/g, ' ') }), ' by ',
-        el('strong', { text: r.decided_by }), ' · ' + when(r.decided_at)),
+        el('strong', { text: r.decided_by }), ' · ', when(r.decided_at)),
       r.token_identity ? el('div', { class: 'hint', text: 'token ' + r.token_identity }) : null,
       r.note ? el('blockquote', { text: r.note }) : null,
       (r.evidence || []).length ? el('details', {}, el('summary', { text: 'The evidence it was made on' }), evidenceList(r.evidence)) : null)));
@@ -428,47 +622,232 @@
 
   function evidenceList(evidence) {
     return el('ul', { class: 'evidence' }, (evidence || []).map((e) => el('li', {},
-      el('span', { class: 'source', text: e.source }), ' (' + when(e.observed_at) + '): ', e.finding)));
+      el('span', { class: 'source', text: e.source }), ' (', when(e.observed_at), '): ', e.finding)));
   }
 
-  // --- the people's queues: cases and approvals ---------------------------------------
+  // --- acting on one task: each answers { ok, text } --------------------------------
+
+  const taskPath = (task, action) => '/v1/tasks/' + encodeURIComponent(task.task_id) + '/' + action;
+
+  /** A resolution of the case the person read (its id is sent, so a changed case is refused). */
+  async function resolveCase(task, who, note, body) {
+    const record = Object.assign({ case_id: task.case.case_id, decided_by: who }, body);
+    if (note) record.note = note;
+    const { status, data } = await api('POST', taskPath(task, 'resolution'), record);
+    const done = body.action.replace(/_/g, ' ');
+    return status === 202
+      ? { ok: true, text: (data.repeated ? 'Already recorded: ' : 'Recorded: ') + done + '. The task moves on when the scheduler applies it.' }
+      : { ok: false, status, title: problemTitle(status, data), text: 'Refused: ' + problemText(status, data) };
+  }
+
+  /** Approve or reject the wait on the card the person read (step, generation, digest). */
+  async function decideApproval(task, who, note, decision) {
+    const card = task.approval;
+    if (!card) return { ok: false, title: 'Not known yet', text: 'What this step waits for is not known yet; nothing was sent.' };
+    const body = { decided_by: who, step: card.step, generation: card.generation, digest: card.digest };
+    if (note) body.note = note;
+    const { status, data } = await api('POST', taskPath(task, decision), body);
+    const done = decision === 'reject' ? 'Rejected' : 'Approved';
+    return status === 202
+      ? { ok: true, text: (data.repeated ? 'Already recorded: ' : '') + done + ' by ' + who + '.' }
+      : { ok: false, status, title: problemTitle(status, data), text: 'Refused: ' + problemText(status, data) };
+  }
+
+  async function cancelTask(task) {
+    const { status, data } = await api('POST', taskPath(task, 'cancel'));
+    return status === 202
+      ? { ok: true, text: (data.repeated ? 'Already asked: ' : 'Asked: ') + 'cancel. No further attempt starts.' }
+      : { ok: false, status, title: problemTitle(status, data), text: 'Refused: ' + problemText(status, data) };
+  }
+
+  const rememberedName = () => localStorage.getItem(NAME_KEY) || '';
+  const nameInput = () => el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name', value: rememberedName() });
+
+  // --- the people's queues: cases and approvals, paged, with bulk actions -------------
 
   /** Cards already on the page, by a key that changes when the question changes:
-   *  a refresh keeps a card (and what someone has typed or ticked in it). */
+   *  a refresh keeps a card (and what someone has typed, ticked or selected in it). */
   const knownCards = new Map();
+  /** The task each card was made from: what a bulk action sends. */
+  const cardTasks = new WeakMap();
 
   function place(container, cards) {
     const keep = new Set(cards.map((c) => c.dataset.key));
     for (const child of [...container.children]) {
       if (!keep.has(child.dataset.key)) { knownCards.delete(child.dataset.key); child.remove(); }
     }
-    for (const card of cards) if (card.parentNode !== container) container.append(card);
+    for (const card of cards) container.append(card);
   }
 
-  async function details(state) {
-    const { status, data } = await api('GET', '/v1/tasks?limit=' + SHOWN_CASES + '&state=' + state);
-    if (status !== 200) return [];
+  const caseKey = (task) => 'case:' + task.task_id + ':' + task.case.case_id;
+  const approvalKey = (task) => 'approval:' + task.task_id + ':' + task.attempt + ':' + (task.awaiting_signal || '') + ':' +
+    (task.approval ? task.approval.digest : '');
+
+  const queues = {
+    cases: {
+      name: 'cases', states: ['outcome_unknown', 'needs_human'], list: 'cases', total: 0, loaded: {}, wanted: {}, cursors: {},
+      key: (task) => (task.case ? caseKey(task) : null), card: (task, key) => caseCard(task, key, true),
+      empty: 'Nothing waits for a decision.',
+      actions: [
+        { id: 'accept-failed', label: 'Accept selected as failed', named: true, run: (t, who, note) => t.case
+          ? resolveCase(t, who, note, { action: 'accept_failed' })
+          : { ok: false, title: 'No case', text: 'The task has no case to resolve; nothing was sent.' } },
+        { id: 'cancel', label: 'Cancel selected', class: 'danger', named: false, run: (t) => cancelTask(t) },
+      ],
+    },
+    approvals: {
+      name: 'approvals', states: ['awaiting_approval'], list: 'approval-list', total: 0, loaded: {}, wanted: {}, cursors: {},
+      key: approvalKey, card: (task, key) => approvalCard(task, key, true),
+      empty: 'No approval waits.',
+      actions: [
+        { id: 'approve', label: 'Approve selected', class: 'primary', named: true, run: (t, who, note) => decideApproval(t, who, note, 'approve') },
+        { id: 'reject', label: 'Reject selected', class: 'danger', named: true, run: (t, who, note) => decideApproval(t, who, note, 'reject') },
+        { id: 'cancel', label: 'Cancel selected', named: false, run: (t) => cancelTask(t) },
+      ],
+    },
+  };
+
+  /** One page of a state's tasks (newest first) with each task read whole, since a
+   *  card shows its case or approval. */
+  async function readPage(state, limit, cursor) {
+    const query = new URLSearchParams({ state, limit: String(limit) });
+    if (cursor) query.set('cursor', cursor);
+    const { status, data } = await api('GET', '/v1/tasks?' + query);
+    if (status !== 200) return { tasks: [], next: null };
     const read = await Promise.all(data.tasks.map((t) => api('GET', '/v1/tasks/' + encodeURIComponent(t.task_id))));
-    return read.filter((r) => r.status === 200).map((r) => r.data);
+    return { tasks: read.filter((r) => r.status === 200).map((r) => r.data), next: data.next_cursor || null };
   }
 
-  async function loadCases() {
-    const tasks = (await details('outcome_unknown')).concat(await details('needs_human'));
-    $('decisions-count').textContent = '(' + tasks.length + ')';
-    const cards = tasks.filter((t) => t.case).map((task) => {
-      const key = 'case:' + task.task_id + ':' + task.case.case_id;
-      if (!knownCards.has(key)) knownCards.set(key, caseCard(task, key));
-      return knownCards.get(key);
+  /** The queue's cards: from the start (`reset`, or as many as were loaded, read
+   *  again); `more` adds each state's next page after its cursor. */
+  async function loadQueue(queue, reset, more) {
+    const read = queue.read = (queue.read || 0) + 1;
+    const pages = await Promise.all(queue.states.map((state) => {
+      if (more) {
+        queue.wanted[state] = (queue.loaded[state] || 0) + perPage();
+        return queue.cursors[state] ? readPage(state, perPage(), queue.cursors[state]) : { tasks: [], next: null };
+      }
+      if (reset) queue.wanted[state] = perPage();
+      const limit = Math.min(MOST_PER_CALL, Math.max(perPage(), queue.wanted[state] || 0));
+      return readPage(state, limit, null);
+    }));
+    if (read !== queue.read) return;
+    queue.states.forEach((state, i) => {
+      queue.cursors[state] = pages[i].next;
+      queue.loaded[state] = (more ? queue.loaded[state] || 0 : 0) + pages[i].tasks.length;
     });
-    place($('cases'), cards);
-    if (cards.length === 0) $('cases').replaceChildren(el('p', { class: 'hint', 'data-key': 'none', text: 'Nothing waits for a decision.' }));
+    const container = $(queue.list);
+    const before = more ? [...container.querySelectorAll(':scope > article')] : [];
+    const cards = pages.flatMap((p) => p.tasks).map((task) => {
+      const key = queue.key(task);
+      if (!key) return null;
+      if (!knownCards.has(key)) knownCards.set(key, queue.card(task, key));
+      const card = knownCards.get(key);
+      cardTasks.set(card, task);
+      return card;
+    }).filter(Boolean);
+    const all = before.concat(cards.filter((c) => !before.includes(c)));
+    place(container, all);
+    if (all.length === 0) container.replaceChildren(el('p', { class: 'hint', 'data-key': 'none', text: queue.empty }));
+    $(queue.name + '-more').hidden = !queue.states.some((s) => queue.cursors[s]);
+    showQueueTally(queue);
   }
 
-  function caseCard(task, key) {
+  function showQueueTally(queue) {
+    const loaded = $(queue.list).querySelectorAll(':scope > article').length;
+    const picked = selectedCards(queue).length;
+    $(queue.name + '-shown').textContent = 'Showing ' + loaded + ' of ' + queue.total + '.';
+    const tally = $(queue.name + '-picked');
+    if (tally) tally.textContent = picked + ' selected';
+    const all = $(queue.name + '-select-all');
+    if (all) {
+      all.checked = loaded > 0 && picked === loaded;
+      all.indeterminate = picked > 0 && picked < loaded;
+    }
+  }
+
+  const selectedCards = (queue) => [...$(queue.list).querySelectorAll(':scope > article input.pick:checked')]
+    .map((box) => box.closest('article'));
+
+  /** Above a queue: select all shown, who decides and why, and one button per action. */
+  function bulkBar(queue) {
+    const name = nameInput();
+    name.id = queue.name + '-bulk-name';
+    const note = el('input', { type: 'text', id: queue.name + '-bulk-note', class: 'bulk-note', maxlength: '4000' });
+    const selectAll = el('input', { type: 'checkbox', id: queue.name + '-select-all', onchange: () => {
+      for (const box of $(queue.list).querySelectorAll(':scope > article input.pick')) box.checked = selectAll.checked;
+      showQueueTally(queue);
+    } });
+    const status = el('p', { id: queue.name + '-bulk-status', class: 'outcome', role: 'status' });
+    const results = el('ol', { id: queue.name + '-results', class: 'bulk-results' });
+    const buttons = queue.actions.map((action) => el('button', {
+      type: 'button', class: 'bulk-' + action.id + (action.class ? ' ' + action.class : ''),
+      onclick: () => runBulk(queue, action, name, note, status, results, buttons),
+    }, action.label));
+    $(queue.list).addEventListener('change', (event) => { if (event.target.matches('input.pick')) showQueueTally(queue); });
+    return el('fieldset', { class: 'bulk' },
+      el('legend', { text: 'Act on the selected tasks, one call each' }),
+      el('div', { class: 'bulk-row' },
+        el('label', { class: 'inline' }, selectAll, ' Select all shown'),
+        el('span', { id: queue.name + '-picked', class: 'count', text: '0 selected' })),
+      el('div', { class: 'bulk-row' },
+        el('label', {}, 'Decided by ', name),
+        el('label', {}, 'Note ', note)),
+      el('div', { class: 'bulk-row' }, buttons),
+      status, results);
+  }
+
+  /** Sends the action for each selected task, one after another, and shows what
+   *  each answered: ok, or the problem's title. */
+  async function runBulk(queue, action, name, note, status, results, buttons) {
+    const cards = selectedCards(queue);
+    if (cards.length === 0) { status.textContent = 'Select at least one task.'; return; }
+    const who = name.value.trim();
+    if (action.named && !who) { status.textContent = 'Name the person who decides.'; name.focus(); return; }
+    if (who) localStorage.setItem(NAME_KEY, who);
+    for (const b of buttons) b.disabled = true;
+    status.textContent = action.label + ': sending ' + cards.length + '…';
+    results.replaceChildren();
+    let done = 0;
+    for (const card of cards) {
+      const task = cardTasks.get(card);
+      const line = el('li', { 'data-task-id': task.task_id, class: 'pending' }, taskLink(task.task_id), ' ' + task.kind + ': ',
+        el('span', { class: 'result', text: 'sending…' }));
+      results.append(line);
+      let result;
+      try {
+        result = await action.run(task, who, note.value.trim());
+      } catch (e) {
+        result = { ok: false, title: 'Not sent', text: e.message };
+      }
+      line.className = result.ok ? 'ok' : 'refused';
+      line.dataset.outcome = result.ok ? 'ok' : 'refused';
+      line.querySelector('.result').textContent = result.ok ? 'ok — ' + result.text : result.title + ' — ' + result.text;
+      const outcome = card.querySelector('.outcome');
+      if (outcome) outcome.textContent = result.text;
+      if (result.ok) done += 1;
+    }
+    // Acted on: a later bulk action starts from nothing selected.
+    for (const card of cards) card.querySelector('input.pick').checked = false;
+    showQueueTally(queue);
+    status.textContent = action.label + ': ' + done + ' of ' + cards.length + ' done' +
+      (done < cards.length ? ', ' + (cards.length - done) + ' refused (below).' : '.');
+    for (const b of buttons) b.disabled = false;
+    scheduleRefresh();
+  }
+
+  const pickBox = (task) => el('label', { class: 'pick-label inline' },
+    el('input', { type: 'checkbox', class: 'pick', 'aria-label': 'Select task ' + task.task_id }), ' Select');
+
+  function cardHeading(task, selectable) {
+    return el('div', { class: 'card-head' }, selectable ? pickBox(task) : null,
+      el('h3', {}, stateBadge(task.state), ' ', task.kind, ' ', taskLink(task.task_id)));
+  }
+
+  function caseCard(task, key, selectable) {
     const outcome = el('div', { class: 'outcome', role: 'status' });
     const buttons = [];
-    const name = el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name',
-      value: localStorage.getItem(NAME_KEY) || '' });
+    const name = nameInput();
     const note = el('textarea', { class: 'note', maxlength: '4000', rows: '2' });
     const send = async (body) => {
       const who = name.value.trim();
@@ -476,15 +855,9 @@
       localStorage.setItem(NAME_KEY, who);
       for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
-      const record = { case_id: task.case.case_id, decided_by: who };
-      if (note.value.trim()) record.note = note.value.trim();
-      const { status, data } = await api('POST', '/v1/tasks/' + encodeURIComponent(task.task_id) + '/resolution',
-        Object.assign(record, body));
-      if (status === 202) {
-        outcome.textContent = (data.repeated ? 'Already recorded: ' : 'Recorded: ') + body.action.replace(/_/g, ' ') +
-          '. The task moves on when the scheduler applies it.';
-      } else {
-        outcome.textContent = 'Refused: ' + problemText(status, data);
+      const result = await resolveCase(task, who, note.value.trim(), body);
+      outcome.textContent = result.text;
+      if (!result.ok) {
         for (const b of buttons) b.disabled = false;
         acknowledge.dispatchEvent(new Event('change'));
       }
@@ -508,8 +881,8 @@
     }) }, 'Attach result');
     buttons.push(retry, fail, attach);
 
-    return el('article', { class: 'card', 'data-key': key, 'data-task-id': task.task_id, 'data-case-id': task.case.case_id },
-      el('h3', {}, stateBadge(task.state), ' ', task.kind, ' ', el('code', { title: task.task_id, text: short(task.task_id) })),
+    const card = el('article', { class: 'card', 'data-key': key, 'data-task-id': task.task_id, 'data-case-id': task.case.case_id },
+      cardHeading(task, selectable),
       el('div', { class: 'hint', text: (task.reason || '') + (task.step ? ' — step ' + task.step : '') + ' — case ' + task.case.case_id }),
       el('strong', { text: 'Evidence' }),
       evidenceList(task.case.evidence),
@@ -524,30 +897,15 @@
         el('div', { class: 'action' }, el('p', { text: says('attach_result') }),
           el('label', {}, 'URI', uri), el('label', {}, 'sha256', sha), el('label', {}, 'Size in bytes', size), attach)),
       outcome);
+    cardTasks.set(card, task);
+    return card;
   }
-
-  async function loadApprovals() {
-    const tasks = await details('awaiting_approval');
-    $('approvals-count').textContent = '(' + tasks.length + ')';
-    const cards = tasks.map((task) => {
-      const key = 'approval:' + task.task_id + ':' + task.attempt + ':' + (task.awaiting_signal || '') + ':' +
-        (task.approval ? task.approval.digest : '');
-      if (!knownCards.has(key)) knownCards.set(key, approvalCard(task, key));
-      return knownCards.get(key);
-    });
-    place($('approval-list'), cards);
-    if (cards.length === 0) $('approval-list').replaceChildren(el('p', { class: 'hint', 'data-key': 'none', text: 'No approval waits.' }));
-  }
-
-  const NAME_KEY = 'fenceline.dashboard.name';
 
   /** An approval's card: what it lets happen and rests on, who decides, a note,
    *  and Approve or Reject, bound to this wait and to the digest shown. */
-  function approvalCard(task, key) {
+  function approvalCard(task, key, selectable) {
     const outcome = el('div', { class: 'outcome', role: 'status' });
-    const card = task.approval;
-    const name = el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name',
-      value: localStorage.getItem(NAME_KEY) || '' });
+    const name = nameInput();
     const note = el('textarea', { class: 'note', maxlength: '4000', rows: '2' });
     const buttons = [];
     const decide = async (decision) => {
@@ -556,38 +914,43 @@
       localStorage.setItem(NAME_KEY, who);
       for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
-      const body = { decided_by: who, step: card.step, generation: card.generation, digest: card.digest };
-      if (note.value.trim()) body.note = note.value.trim();
-      const { status, data } = await api('POST', '/v1/tasks/' + encodeURIComponent(task.task_id) + '/' + decision, body);
-      if (status === 202) {
-        const done = decision === 'reject' ? 'Rejected' : 'Approved';
-        outcome.textContent = (data.repeated ? 'Already recorded: ' : '') + done + ' by ' + who + '.';
-      } else {
-        outcome.textContent = 'Refused: ' + problemText(status, data);
-        for (const b of buttons) b.disabled = false;
-      }
+      const result = await decideApproval(task, who, note.value.trim(), decision);
+      outcome.textContent = result.text;
+      if (!result.ok) for (const b of buttons) b.disabled = false;
       scheduleRefresh();
     };
-    const approve = el('button', { type: 'button', class: 'primary approve', disabled: !card, onclick: () => decide('approve') }, 'Approve');
-    const reject = el('button', { type: 'button', class: 'danger reject', disabled: !card, onclick: () => decide('reject') }, 'Reject');
+    const approve = el('button', { type: 'button', class: 'primary approve', disabled: !task.approval, onclick: () => decide('approve') }, 'Approve');
+    const reject = el('button', { type: 'button', class: 'danger reject', disabled: !task.approval, onclick: () => decide('reject') }, 'Reject');
     buttons.push(approve, reject);
-    return el('article', { class: 'card approval', 'data-key': key, 'data-task-id': task.task_id },
-      el('h3', {}, stateBadge(task.state), ' ', task.kind, ' ', el('code', { title: task.task_id, text: short(task.task_id) })),
+    const card = el('article', { class: 'card approval', 'data-key': key, 'data-task-id': task.task_id },
+      cardHeading(task, selectable),
       el('div', { class: 'hint', text: (task.reason || '') + (task.step ? ' — step ' + task.step : '') }),
       el('div', {}, labels(task.labels)),
-      card ? approvalFacts(card) : el('p', { text: 'What this step waits for is not known yet.' }),
+      task.approval ? approvalFacts(task.approval) : el('p', { text: 'What this step waits for is not known yet.' }),
       task.input !== undefined && task.input !== null ? el('details', {}, el('summary', { text: 'Input' }), jsonBlock(task.input)) : null,
       el('div', { class: 'actions' },
         el('label', {}, 'Decided by ', name),
         el('label', {}, 'Note ', note),
-        approve, reject),
+        el('div', { class: 'decide' }, approve, reject)),
       outcome);
+    cardTasks.set(card, task);
+    return card;
   }
 
   // --- wiring -------------------------------------------------------------------------
 
   function start() {
     for (const state of STATES) $('filter-state').append(el('option', { value: state, text: state.replace(/_/g, ' ') }));
+    $('per-page').value = localStorage.getItem(PER_PAGE_KEY) || '20';
+    $('per-page').addEventListener('change', () => {
+      localStorage.setItem(PER_PAGE_KEY, $('per-page').value);
+      if (view === 'tasks') loadTasks(true).catch(() => {});
+      else if (queues[view]) loadQueue(queues[view], true).catch(() => {});
+    });
+    $('cases-bulk').replaceChildren(bulkBar(queues.cases));
+    $('approvals-bulk').replaceChildren(bulkBar(queues.approvals));
+    $('cases-more').addEventListener('click', () => loadQueue(queues.cases, false, true).catch(() => {}));
+    $('approvals-more').addEventListener('click', () => loadQueue(queues.approvals, false, true).catch(() => {}));
     $('sign-in-form').addEventListener('submit', (event) => {
       event.preventDefault();
       const candidate = $('token').value.trim();
@@ -602,11 +965,8 @@
       loadTasks(true); loadSummary();
     });
     $('more').addEventListener('click', () => loadMore());
-    $('detail-close').addEventListener('click', () => {
-      selected = null;
-      $('detail').hidden = true;
-      for (const row of document.querySelectorAll('#task-rows tr.selected')) row.classList.remove('selected');
-    });
+    window.addEventListener('hashchange', route);
+    setInterval(refreshAgo, 5000);
     const saved = sessionStorage.getItem(TOKEN_KEY);
     if (saved) signIn(saved).catch(() => {});
   }

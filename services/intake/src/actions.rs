@@ -13,6 +13,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
+use fenceline_store::word::Stored;
+
 use crate::auth::{Tenant, TokenIdentity};
 use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
@@ -33,7 +35,7 @@ struct Locked {
     kind: String,
     /// The projected state; `queued` until the scheduler's first status arrives.
     /// Advisory: the scheduler decides.
-    state: String,
+    state: Stored<TaskState>,
     /// The case the projected status names, if any.
     case_id: Option<String>,
     /// The trace the task was accepted in: what is asked about it continues it.
@@ -63,13 +65,11 @@ pub(crate) fn in_trace(task: Option<String>) -> Option<String> {
 
 /// Refuses a new request (`what`: signal, cancel, resolve) on a task in a final
 /// state, naming it: nothing happens to such a task any more.
-fn unless_finished(task_id: TaskId, state: &str, what: &str) -> Result<(), ApiError> {
-    match state.parse::<TaskState>() {
-        Ok(state) if state.is_final() => {
-            Err(ApiError::TaskFinished(format!("task {task_id} is already {state}; nothing to {what}")))
-        }
-        _ => Ok(()),
+fn unless_finished(task_id: TaskId, state: TaskState, what: &str) -> Result<(), ApiError> {
+    if state.is_final() {
+        return Err(ApiError::TaskFinished(format!("task {task_id} is already {state}; nothing to {what}")));
     }
+    Ok(())
 }
 
 /// Carries out one request (`what`) on the caller's task exactly once: `dedup`
@@ -90,7 +90,7 @@ async fn once(
     let fresh = dedup.execute(&mut *tx).await?.rows_affected() == 1;
     if fresh {
         // Dropping the transaction takes the insert back.
-        unless_finished(task_id, &task.state, what)?;
+        unless_finished(task_id, task.state.0, what)?;
         outbox.append_in_trace(&mut tx, topics::TASKS, None, &event(), in_trace(task.traceparent)).await?;
         crate::live::changed(&mut tx, task_id, Some(tenant.as_str())).await?;
     }
@@ -205,7 +205,7 @@ pub async fn signal(
     .rows_affected()
         == 1;
     if fresh {
-        unless_finished(task_id, &task.state, "signal")?;
+        unless_finished(task_id, task.state.0, "signal")?;
         let event = Event::SignalReceived(SignalReceived {
             task_id,
             tenant: tenant.as_str().to_owned(),
@@ -328,8 +328,9 @@ pub async fn resolve(
     // The projected state is advisory (the scheduler decides, and applies a
     // resolution only to the case it names); it turns away resolutions of tasks
     // that plainly do not wait for a person, and of cases that were replaced.
-    let Locked { state, case_id: current, traceparent, .. } = lock_task(&mut tx, tenant, task_id).await?;
-    let waits = [TaskState::OutcomeUnknown.as_str(), TaskState::NeedsHuman.as_str()].contains(&state.as_str());
+    let Locked { state: Stored(state), case_id: current, traceparent, .. } =
+        lock_task(&mut tx, tenant, task_id).await?;
+    let waits = [TaskState::OutcomeUnknown, TaskState::NeedsHuman].contains(&state);
     // A case already resolved answers for itself even after the task moved on.
     let recorded: Option<(String, bool, Option<sqlx::types::Json<ArtifactRef>>)> = sqlx::query_as(
         "SELECT action, charge_acknowledged, attached_result FROM resolutions WHERE task_id = $1 AND case_id = $2",
@@ -350,7 +351,7 @@ pub async fn resolve(
             request.case_id
         )));
     }
-    unless_finished(task_id, &state, "resolve")?;
+    unless_finished(task_id, state, "resolve")?;
     let current = match (waits, current) {
         (true, Some(case)) => case,
         _ => {
@@ -367,7 +368,7 @@ pub async fn resolve(
     }
     // What the person was shown: the case's evidence (the reconciler's, or the
     // scheduler's reason for a task that needs a person), kept with the decision.
-    let evidence = crate::tasks::case_evidence(&mut tx, task_id, &state).await?;
+    let evidence = crate::tasks::case_evidence(&mut tx, task_id, state).await?;
     // The primary key (task, case) serialises two people deciding at once: the
     // second waits for the first and then finds its row.
     let inserted = sqlx::query(

@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 
+use fenceline_store::word::Stored;
+
 use crate::actions::ActionAccepted;
 use crate::auth::{Tenant, TokenIdentity};
 use crate::kinds::{KindCatalog, NextStep};
@@ -298,7 +300,7 @@ pub async fn generation(conn: &mut PgConnection, task_id: TaskId) -> Result<i32,
 #[derive(Debug, sqlx::FromRow)]
 struct Locked {
     kind: String,
-    state: String,
+    state: Stored<TaskState>,
     /// The step the projected status names.
     step: Option<String>,
     /// The trace the task was accepted in.
@@ -371,8 +373,8 @@ pub async fn decide(
     check(&request)?;
     let mut tx = pool.begin().await?;
     let task = lock_task(&mut tx, tenant, task_id).await?;
-    let state: Option<TaskState> = task.state.parse().ok();
-    let awaiting = state == Some(TaskState::AwaitingApproval);
+    let Stored(state) = task.state;
+    let awaiting = state == TaskState::AwaitingApproval;
     if let Some(signal) = &request.signal {
         kinds.check_signal(task_id, &task.kind, signal)?;
     }
@@ -431,7 +433,7 @@ pub async fn decide(
             recorded.decision, recorded.decided_by
         )));
     }
-    if let Some(state) = state.filter(|s| s.is_final()) {
+    if state.is_final() {
         return Err(ApiError::TaskFinished(format!("task {task_id} is already {state}; nothing to {decision}")));
     }
     if generation < current {

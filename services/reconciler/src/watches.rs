@@ -12,10 +12,12 @@ use fenceline_domain::calls::{
     AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss, key_forgotten, key_remembered,
 };
 use fenceline_domain::ids::{GrantId, TaskId};
-use fenceline_domain::vocabulary::{ErrorClass, Phase, RecoveryDecision};
+use fenceline_domain::vocabulary::{CaseState, ErrorClass, Phase, RecoveryDecision};
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
 use sqlx::PgConnection;
 use tokio::sync::Notify;
+
+use fenceline_store::word::Stored;
 
 use crate::ReconcilerSettings;
 
@@ -211,7 +213,7 @@ impl Watches {
         let (state, decided) = match decision {
             AfterLoss::RetrySafe => {
                 found.push(evidence("reconciler", "no call had left; a retry spends nothing"));
-                ("decided", Some(RecoveryDecision::RetrySafe))
+                (CaseState::Decided, Some(RecoveryDecision::RetrySafe))
             }
             // The step's result was verified and checkpointed before the loss: a
             // call did leave, and the retry resumes after it without calling again.
@@ -221,7 +223,7 @@ impl Watches {
                     "the step's result was recorded before the worker was lost; a retry resumes after it without \
                      calling again",
                 ));
-                ("decided", Some(RecoveryDecision::RetrySafe))
+                (CaseState::Decided, Some(RecoveryDecision::RetrySafe))
             }
             AfterLoss::RetrySameKey => {
                 let memory = spec.and_then(|p| p.key_memory());
@@ -235,7 +237,7 @@ impl Watches {
                             "catalogue",
                             key_forgotten(&provider_name, memory, &Timestamp(first).to_rfc3339()),
                         ));
-                        ("decided", Some(RecoveryDecision::OutcomeUnknown))
+                        (CaseState::Decided, Some(RecoveryDecision::OutcomeUnknown))
                     }
                     _ => {
                         found.push(evidence(
@@ -246,7 +248,7 @@ impl Watches {
                                 lost.operation_key.as_deref().unwrap_or("?")
                             ),
                         ));
-                        ("decided", Some(RecoveryDecision::RetrySameKey))
+                        (CaseState::Decided, Some(RecoveryDecision::RetrySameKey))
                     }
                 }
             }
@@ -273,7 +275,7 @@ impl Watches {
                         Timestamp(now + i64::try_from(window.as_micros()).unwrap_or(i64::MAX / 4)).to_rfc3339()
                     ),
                 ));
-                ("asking", None)
+                (CaseState::Asking, None)
             }
             AfterLoss::OutcomeUnknown => {
                 found.push(evidence(
@@ -283,7 +285,7 @@ impl Watches {
                          cannot be known; retrying as a new operation may be billed again"
                     ),
                 ));
-                ("decided", Some(RecoveryDecision::OutcomeUnknown))
+                (CaseState::Decided, Some(RecoveryDecision::OutcomeUnknown))
             }
         };
         let inserted = sqlx::query(
@@ -304,7 +306,7 @@ impl Watches {
         .bind(&lost.request_id)
         .bind(lost.phase.as_str())
         .bind(lost.phase_at)
-        .bind(state)
+        .bind(Stored(state))
         .bind(decided.map(|d| d.as_str()))
         .bind(decided.is_none().then_some(now))
         .bind(ask_until)
@@ -409,7 +411,8 @@ impl Watches {
         outbox: &OutboxWriter,
         e: &FencedResultReported,
     ) -> Result<(), HandleError> {
-        type CaseRow = (uuid::Uuid, String, Option<String>, Option<String>, String, Option<String>);
+        type CaseRow =
+            (uuid::Uuid, String, Option<String>, Option<String>, Stored<CaseState>, Option<Stored<RecoveryDecision>>);
         let case: Option<CaseRow> = sqlx::query_as(
             "SELECT case_id, kind, step, operation_key, state, decision FROM cases \
              WHERE task_id = $1 AND attempt = $2 FOR UPDATE",
@@ -423,9 +426,9 @@ impl Watches {
                 "a fenced worker's verified result kept until its attempt's case opens");
             return Ok(());
         };
-        let standing = match (state.as_str(), decision.as_deref()) {
-            ("asking", _) => CaseStanding::Asking,
-            (_, Some(d)) if d == RecoveryDecision::OutcomeUnknown.as_str() => CaseStanding::OutcomeUnknown,
+        let standing = match (state, decision) {
+            (Stored(CaseState::Asking), _) => CaseStanding::Asking,
+            (_, Some(Stored(RecoveryDecision::OutcomeUnknown))) => CaseStanding::OutcomeUnknown,
             _ => CaseStanding::Decided,
         };
         let same_call = step.as_deref() == Some(e.step.as_str()) && operation_key.as_deref() == Some(&e.operation_key);
@@ -477,7 +480,7 @@ impl Watches {
                 let why = if same_call {
                     format!(
                         "the case was decided already ({}); the result is kept as evidence",
-                        decision.as_deref().unwrap_or("?")
+                        decision.map_or("?", |Stored(d)| d.as_str())
                     )
                 } else {
                     format!(

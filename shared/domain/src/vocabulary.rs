@@ -13,6 +13,12 @@ pub struct UnknownWord {
     pub expected: &'static str,
 }
 
+/// One of a closed set of words: spelled one way on the wire and in the rows.
+pub trait Word: Copy + FromStr<Err = UnknownWord> + Send + Sync + 'static {
+    /// Do not change: the text is the wire form.
+    fn as_str(self) -> &'static str;
+}
+
 macro_rules! word_set {
     ($(#[$doc:meta])* $name:ident, $what:literal { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$doc])*
@@ -25,6 +31,12 @@ macro_rules! word_set {
             /// Do not change: the text is the wire form.
             pub fn as_str(self) -> &'static str {
                 match self { $($name::$variant => $text),+ }
+            }
+        }
+
+        impl Word for $name {
+            fn as_str(self) -> &'static str {
+                $name::as_str(self)
             }
         }
 
@@ -80,11 +92,20 @@ word_set!(
 );
 
 impl TaskState {
+    /// The states a task never leaves, and the only ones.
+    pub const FINAL: [TaskState; 3] = [TaskState::Succeeded, TaskState::Failed, TaskState::Cancelled];
+
     /// Succeeded, failed and cancelled: a task in one of them never changes again.
     pub fn is_final(self) -> bool {
-        matches!(self, TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled)
+        Self::FINAL.contains(&self)
     }
 }
+
+word_set!(
+    /// Where the reconciler's case about a lost attempt is: still asking the
+    /// provider, or decided (by the evidence, or left to a person).
+    CaseState, "case state" { Asking => "asking", Decided => "decided" }
+);
 
 word_set!(
     /// How far one execution got; each is written durably before the next begins.
@@ -163,6 +184,16 @@ mod tests {
         for class in ErrorClass::ALL {
             assert_eq!(class.as_str().parse::<ErrorClass>().expect("round trip"), *class);
         }
+        for state in CaseState::ALL {
+            assert_eq!(state.as_str().parse::<CaseState>().expect("round trip"), *state);
+        }
+    }
+
+    #[test]
+    fn the_final_states_are_the_ones_no_task_leaves() {
+        let finals: Vec<&str> = TaskState::ALL.iter().filter(|s| s.is_final()).map(|s| s.as_str()).collect();
+        assert_eq!(finals, ["succeeded", "failed", "cancelled"]);
+        assert_eq!(TaskState::FINAL.map(TaskState::as_str), ["succeeded", "failed", "cancelled"]);
     }
 
     #[test]

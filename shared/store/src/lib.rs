@@ -1,6 +1,8 @@
 //! Postgres access shared by every service: a pool whose connections see only the
 //! service's own schema, and migrations embedded in the binaries.
 
+pub mod word;
+
 use std::str::FromStr;
 use std::time::Duration;
 

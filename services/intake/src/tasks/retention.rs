@@ -48,9 +48,6 @@ pub async fn unscheduled(
     Ok((found, count))
 }
 
-/// The states after which nothing more happens to a task.
-const FINISHED: [TaskState; 3] = [TaskState::Succeeded, TaskState::Failed, TaskState::Cancelled];
-
 /// Deletes every row of tasks that finished (by their latest status) longer than
 /// `retention` ago, `batch` tasks per transaction so no delete holds locks for
 /// long; returns how many tasks went. Idempotency records have their own, shorter
@@ -61,7 +58,7 @@ pub async fn purge_finished_tasks(
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
     let cutoff = OffsetDateTime::now_utc() - retention;
-    let finished: Vec<&str> = FINISHED.iter().map(|s| s.as_str()).collect();
+    let finished: Vec<&str> = TaskState::FINAL.iter().map(|s| s.as_str()).collect();
     let mut purged = 0;
     loop {
         let mut tx = pool.begin().await?;

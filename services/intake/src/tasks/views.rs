@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use fenceline_store::word::Stored;
+
 use crate::auth::Tenant;
 use crate::kinds::KindCatalog;
 use crate::problem::ApiError;
@@ -27,7 +29,8 @@ pub struct TaskView {
     pub accepted_at: OffsetDateTime,
     /// `queued`, `waiting`, `running`, `awaiting_approval`, `succeeded`, `failed`,
     /// `cancelled`, `outcome_unknown` or `needs_human`.
-    pub state: String,
+    #[schema(value_type = String)]
+    pub state: TaskState,
     /// Why the task is in its state, in words.
     pub reason: Option<String>,
     /// The number of the latest attempt; 0 before the first.
@@ -191,7 +194,7 @@ pub(super) struct Row {
     kind: String,
     labels: sqlx::types::Json<BTreeMap<String, String>>,
     accepted_at: OffsetDateTime,
-    state: Option<String>,
+    state: Option<Stored<TaskState>>,
     reason: Option<String>,
     attempt: Option<i32>,
     step: Option<String>,
@@ -216,7 +219,7 @@ impl From<Row> for TaskView {
             kind: row.kind,
             labels: row.labels.0,
             accepted_at: row.accepted_at,
-            state: row.state.unwrap_or_else(|| TaskState::Queued.as_str().to_owned()),
+            state: row.state.map_or(TaskState::Queued, |Stored(state)| state),
             reason: if projected { row.reason } else { Some("accepted; not yet scheduled".into()) },
             attempt: row.attempt.unwrap_or(0),
             step: row.step,
@@ -246,9 +249,9 @@ impl From<Row> for TaskView {
 pub(crate) async fn case_evidence(
     conn: &mut sqlx::PgConnection,
     task_id: TaskId,
-    state: &str,
+    state: TaskState,
 ) -> Result<Vec<EvidenceView>, sqlx::Error> {
-    if state == TaskState::NeedsHuman.as_str() {
+    if state == TaskState::NeedsHuman {
         let reason: Option<(Option<String>, OffsetDateTime)> =
             sqlx::query_as("SELECT reason, updated_at FROM task_view WHERE task_id = $1")
                 .bind(task_id.as_uuid())
@@ -280,21 +283,21 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
         .fetch_optional(pool)
         .await?;
     let mut view = row.map(TaskView::from).ok_or_else(|| ApiError::TaskNotFound(task_id.to_string()))?;
-    if view.state == TaskState::OutcomeUnknown.as_str() {
+    if view.state == TaskState::OutcomeUnknown {
         let case_id: Option<String> = sqlx::query_scalar("SELECT case_id FROM task_cases WHERE task_id = $1")
             .bind(task_id.as_uuid())
             .fetch_optional(pool)
             .await?;
         if let Some(case_id) = case_id {
-            let evidence = case_evidence(&mut *pool.acquire().await?, task_id, &view.state).await?;
+            let evidence = case_evidence(&mut *pool.acquire().await?, task_id, view.state).await?;
             view.case = Some(CaseView { case_id, evidence, resolutions: CaseView::resolutions(view.step.as_deref()) });
         }
     }
     // The scheduler names the case of a task that needs a person; its reason is the evidence.
-    if view.state == TaskState::NeedsHuman.as_str()
+    if view.state == TaskState::NeedsHuman
         && let Some(case_id) = view.case_id.clone()
     {
-        let evidence = case_evidence(&mut *pool.acquire().await?, task_id, &view.state).await?;
+        let evidence = case_evidence(&mut *pool.acquire().await?, task_id, view.state).await?;
         view.case = Some(CaseView { case_id, evidence, resolutions: CaseView::resolutions(view.step.as_deref()) });
     }
     view.resolved_cases = Some(
@@ -318,7 +321,7 @@ pub async fn read(pool: &PgPool, kinds: &KindCatalog, tenant: &Tenant, task_id: 
     );
     let timeline = crate::timeline::read(pool, task_id, TIMELINE_LIMIT).await?;
     view.trace_id = timeline.iter().find_map(|line| line.trace_id.clone());
-    if view.state == TaskState::AwaitingApproval.as_str() {
+    if view.state == TaskState::AwaitingApproval {
         // The executor's announcement of the wait may arrive after the scheduler's
         // status: until then the catalogue says what the step waits for.
         view.awaiting_signal =

@@ -1,20 +1,20 @@
 //! Intake: the front door. Idempotent submission over HTTP, signed webhooks and the
 //! upstream intake topic; the `task_view` read model.
 
-pub mod actions;
+mod actions;
 pub mod admission;
 pub mod auth;
-pub mod decisions;
-pub mod kinds;
+mod decisions;
+mod kinds;
 pub mod live;
-pub mod openapi;
-pub mod problem;
+mod openapi;
+mod problem;
 mod routes;
 pub mod sealing;
 mod spend;
 pub mod tasks;
-pub mod timeline;
-pub mod ui;
+mod timeline;
+mod ui;
 pub mod upstream;
 pub mod webhooks;
 

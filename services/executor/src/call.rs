@@ -10,24 +10,30 @@
 //! provider's connect bound plus the lease margin (docs/execution.md, "Executor";
 //! docs/decisions.md on why the lease need not cover the whole call).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fenceline_bus::fault;
-use fenceline_config::catalog::StepSpec;
+use fenceline_config::catalog::{Catalog, StepSpec};
 use fenceline_domain::calls::{
     Backoff, CallOutcome, CallStage, NextMove, after_outcome, key_forgotten, key_remembered, operation_key,
 };
+use fenceline_domain::ids::TaskId;
 use fenceline_domain::spend::{self, Amount};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{ArtifactRef, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted, Timestamp};
+use fenceline_events::{
+    ArtifactRef, AttemptSucceeded, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted, Timestamp,
+};
 use fenceline_providers::{CallAnswer, HttpProvider, Lookup, ProviderResult, VerifyError};
+use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::record::{Checkpoint, NewKey, Status, Transition};
-use crate::worker::{Lease, Stop, Workers, jitter};
+use crate::ExecutorSettings;
+use crate::lease::{LEASE_MARGIN, Lease, Stop, jitter};
+use crate::record::{Checkpoint, NewKey, Recorder, Status, Transition};
 
 /// The longest wait between two polls or two sends of one call, whatever the backoff says.
 const CALL_BACKOFF_CAP: Duration = Duration::from_secs(5);
@@ -49,7 +55,18 @@ pub(crate) fn send_window(call_timeout: Duration) -> Duration {
     call_timeout.min(Duration::from_secs(2)) / 2
 }
 
-impl Workers {
+/// The provider calls of a process's workers: each step's call, its result
+/// followed and verified, and its checkpoint, recorded through [`Recorder`].
+#[derive(Debug, Clone)]
+pub struct Calls {
+    pub pool: PgPool,
+    pub catalog: Arc<Catalog>,
+    pub providers: Arc<HashMap<String, HttpProvider>>,
+    pub settings: Arc<ExecutorSettings>,
+    pub recorder: Recorder,
+}
+
+impl Calls {
     /// One paid step. `Ok(Some(result))`: checkpointed; `Ok(None)`: the attempt
     /// ended here (failed, released) and its event is written.
     pub(crate) async fn call_step(
@@ -66,12 +83,12 @@ impl Workers {
         };
         let Some(provider) = self.providers.get(provider_name) else {
             let message = format!("no provider `{provider_name}`");
-            self.fail(lease, ErrorClass::Rejected, &message, None, false, None).await?;
+            self.recorder.fail(lease, ErrorClass::Rejected, &message, None, false, None).await?;
             return Ok(None);
         };
         // Before the intent, cancellation and shutdown still cost nothing.
         let start = Transition::to(Phase::StepStarted).step(&step.name).sequence_of(&step.name);
-        let started = self.record(lease, start, &[]).await?;
+        let started = self.recorder.record(lease, start, &[]).await?;
         let seq = match started.seq {
             Some(seq) => seq,
             // A retry found the write committed before; the seq is read on its own.
@@ -80,7 +97,7 @@ impl Workers {
         if started.cancel_requested || shutdown.is_cancelled() {
             let reason =
                 if started.cancel_requested { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
-            self.release(lease, reason).await?;
+            self.recorder.release(lease, reason).await?;
             return Ok(None);
         }
         let past_deadline = format!(
@@ -143,7 +160,7 @@ impl Workers {
         // is no new call: sent again, a provider that dedupes answers from its
         // memory of the work that call may have done.
         if self.past_deadline_for(lease, ends, &key).await? {
-            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
+            self.recorder.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
             return Ok(None);
         }
         let intent = Event::CallIntentRecorded(CallIntentRecorded {
@@ -155,19 +172,22 @@ impl Workers {
             recorded_at: crate::clock::now(),
         });
         let intended = self
+            .recorder
             .record(lease, Transition::to(Phase::CallIntent).step(&step.name).call(&key, None).renewing(), &[intent])
             .await?;
         fault!("executor.after_call_intent");
         if let Some(why) = forgotten {
             // Not sent: the earlier request under this key may have done the work,
             // and the provider may no longer know it. The reconciler asks a person.
-            self.fail(lease, ErrorClass::Ambiguous, &format!("{why}; not sent again"), None, true, None).await?;
+            self.recorder
+                .fail(lease, ErrorClass::Ambiguous, &format!("{why}; not sent again"), None, true, None)
+                .await?;
             return Ok(None);
         }
         // Nothing has left yet. If the call may not start, say so with a fenced
         // write, so that no one has to wonder whether a call was made.
         if self.past_deadline_for(lease, ends, &key).await? {
-            self.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
+            self.recorder.fail(lease, ErrorClass::Rejected, &past_deadline, None, false, None).await?;
             return Ok(None);
         }
         let window = self.send_window_of(provider_name);
@@ -178,9 +198,9 @@ impl Workers {
             let message = format!(
                 "the lease would not surely hold until the request had left ({} ms and the {} ms margin); not sent",
                 window.as_millis(),
-                crate::worker::LEASE_MARGIN.as_millis()
+                LEASE_MARGIN.as_millis()
             );
-            self.fail(lease, ErrorClass::NotSent, &message, None, false, None).await?;
+            self.recorder.fail(lease, ErrorClass::NotSent, &message, None, false, None).await?;
             warn!(task_id = %lease.task_id, "{message}");
             return Ok(None);
         }
@@ -241,7 +261,7 @@ impl Workers {
             recorded_at: crate::clock::now(),
         });
         let following = Transition::to(Phase::CallIntent).step(earlier.step).call(earlier.key, None);
-        self.record(lease, following, &[intent]).await?;
+        self.recorder.record(lease, following, &[intent]).await?;
         self.follow(lease, earlier, input.clone(), answer).await.map(Some)
     }
 
@@ -303,11 +323,11 @@ impl Workers {
                             accepted_at: crate::clock::now(),
                         });
                         let transition = Transition::to(Phase::ProviderAccepted).call(call.key, Some(&request_id));
-                        self.record(lease, transition, &[event]).await?;
+                        self.recorder.record(lease, transition, &[event]).await?;
                     }
                     if Instant::now() >= call.budget_ends {
                         let message = format!("accepted as {request_id}, no result within the attempt budget");
-                        self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
+                        self.recorder.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
                         return Ok(None);
                     }
                     tries = 0;
@@ -341,14 +361,15 @@ impl Workers {
                             let new_key =
                                 new_key.then_some(NewKey { step: call.step, used_seq: call.seq, key: call.key });
                             let message = describe(&outcome, detail.as_deref());
-                            self.fail(lease, c.class, &message, c.retry_after, c.money_may_have_been_spent, new_key)
+                            self.recorder
+                                .fail(lease, c.class, &message, c.retry_after, c.money_may_have_been_spent, new_key)
                                 .await?;
                             return Ok(None);
                         }
                         (NextMove::PollAgainIn(_), None) => {
                             // Polling needs a request id; without one the outcome stays in doubt.
                             let message = describe(&outcome, detail.as_deref());
-                            self.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
+                            self.recorder.fail(lease, ErrorClass::Ambiguous, &message, None, true, None).await?;
                             return Ok(None);
                         }
                     }
@@ -390,11 +411,12 @@ impl Workers {
                         continue;
                     }
                     let message = format!("{request_id}: {}", VerifyError::Unreachable(why));
-                    self.fail(lease, ErrorClass::ResultMismatch, &message, None, true, None).await?;
+                    self.recorder.fail(lease, ErrorClass::ResultMismatch, &message, None, true, None).await?;
                     return Ok(None);
                 }
                 Err(e) => {
-                    self.fail(lease, ErrorClass::ResultMismatch, &format!("{request_id}: {e}"), None, true, None)
+                    self.recorder
+                        .fail(lease, ErrorClass::ResultMismatch, &format!("{request_id}: {e}"), None, true, None)
                         .await?;
                     return Ok(None);
                 }
@@ -425,7 +447,7 @@ impl Workers {
                     result: artifact,
                     verified_at: crate::clock::now(),
                 };
-                self.report(lease, &Event::FencedResultReported(report)).await;
+                self.recorder.report(lease, &Event::FencedResultReported(report)).await;
                 return Err(Stop::Fenced);
             }
             Err(e) => return Err(e),
@@ -454,7 +476,7 @@ impl Workers {
     /// Renews the lease and answers whether it surely holds for `window` more (with
     /// the margin). A renewal that fails leaves the lease as the last one granted.
     async fn may_send(&self, lease: &Lease, window: Duration) -> Result<bool, Stop> {
-        match self.renew(lease).await {
+        match crate::lease::renew(&self.pool, self.settings.lease_ms, lease).await {
             Ok(true) => {}
             Ok(false) => return Err(Stop::Fenced),
             Err(e) => warn!(task_id = %lease.task_id, error = %e, "renewing the lease before a call failed"),
@@ -510,9 +532,9 @@ impl Workers {
         let mut events = vec![checkpointed];
         if let Some(result) = finishing {
             transition = Transition { phase: Phase::Finished, ..transition.status(Status::Succeeded) };
-            events.push(crate::worker::succeeded(lease, result.clone()));
+            events.push(succeeded(lease, result.clone()));
         }
-        self.record(lease, transition, &events).await?;
+        self.recorder.record(lease, transition, &events).await?;
         if let Some(Charged { provider, cost: Some(cost) }) = charged {
             fenceline_telemetry::metrics::global()
                 .executor
@@ -632,6 +654,40 @@ fn describe(outcome: &CallOutcome, detail: Option<&str>) -> String {
     }
 }
 
+/// The result of a call step checkpointed earlier: an artifact's reference is its
+/// output; any other output is an inline result, referred to by where it was
+/// checkpointed and hashed as it was (its canonical JSON text).
+pub(crate) fn checkpointed_result(
+    task_id: TaskId,
+    generation: i32,
+    step: &str,
+    output: &serde_json::Value,
+) -> ArtifactRef {
+    if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
+        return artifact;
+    }
+    let text = fenceline_providers::dialect::canonical_json(output);
+    ArtifactRef {
+        uri: crate::call::inline_uri(task_id, generation, step),
+        sha256: {
+            use sha2::{Digest, Sha256};
+            hex::encode(Sha256::digest(text.as_bytes()))
+        },
+        size_bytes: i64::try_from(text.len()).unwrap_or(i64::MAX),
+    }
+}
+
+/// The attempt's success, with the result of its last step.
+pub(crate) fn succeeded(lease: &Lease, result: ArtifactRef) -> Event {
+    Event::AttemptSucceeded(AttemptSucceeded {
+        task_id: lease.task_id,
+        attempt: lease.attempt,
+        grant_id: lease.grant_id,
+        result,
+        finished_at: crate::clock::now(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -647,7 +703,7 @@ mod tests {
         assert_eq!(artifact.uri, format!("inline:{task}/2/draft"));
         assert_eq!((artifact.sha256.as_str(), artifact.size_bytes), (result.sha256.as_str(), result.size_bytes));
         // Read back from its checkpoint, it is the same reference.
-        assert_eq!(crate::worker::checkpointed_result(task, 2, "draft", &output), artifact);
+        assert_eq!(super::checkpointed_result(task, 2, "draft", &output), artifact);
         // An artifact's output is its reference, as before.
         let file = ProviderResult {
             uri: "http://p/a".into(),
@@ -658,6 +714,6 @@ mod tests {
         };
         let (artifact, output) = step_output(task, 0, "render", file);
         assert_eq!(output, serde_json::json!({"uri": "http://p/a", "sha256": "ab", "size_bytes": 3}));
-        assert_eq!(crate::worker::checkpointed_result(task, 0, "render", &output), artifact);
+        assert_eq!(super::checkpointed_result(task, 0, "render", &output), artifact);
     }
 }

@@ -3,6 +3,7 @@
 mod call;
 mod clock;
 pub mod grants;
+mod lease;
 mod record;
 pub mod retention;
 pub mod worker;
@@ -83,14 +84,14 @@ impl ExecutorSettings {
 fn check_lease(catalog: &fenceline_config::catalog::Catalog, lease_ms: u64) -> Result<(), String> {
     let lease = std::time::Duration::from_millis(lease_ms);
     for (name, spec) in &catalog.providers {
-        let needed = call::send_window(spec.call_timeout()) + worker::LEASE_MARGIN;
+        let needed = call::send_window(spec.call_timeout()) + lease::LEASE_MARGIN;
         if lease * 2 / 3 < needed {
             return Err(format!(
                 "a lease of {lease_ms} ms (FENCELINE_EXECUTOR_LEASE_MS) is too short for provider `{name}`: two thirds \
                  of it, what is left just before a renewal, must cover the {} ms its request may take to leave plus \
                  the {} ms margin; use at least {} ms",
                 call::send_window(spec.call_timeout()).as_millis(),
-                worker::LEASE_MARGIN.as_millis(),
+                lease::LEASE_MARGIN.as_millis(),
                 (needed * 3).as_millis().div_ceil(2),
             ));
         }
@@ -121,12 +122,24 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
     )?;
     app.consume("status", &[topics::STATUS], retention::StatusProjection)?;
+    let recorder = record::Recorder {
+        pool: app.base.database.pool.clone(),
+        outbox: app.base.outbox.clone(),
+        settings: settings.clone(),
+    };
+    let calls = call::Calls {
+        pool: app.base.database.pool.clone(),
+        catalog: catalog.clone(),
+        providers: Arc::new(providers),
+        settings: settings.clone(),
+        recorder,
+    };
     let workers = worker::Workers {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),
         catalog,
-        providers: Arc::new(providers),
         settings: settings.clone(),
+        calls,
         wake,
         handed,
         idle_looker: Arc::new(tokio::sync::Mutex::new(())),

@@ -8,16 +8,19 @@
 //! conditional on the token, so a worker that knows the outcome records it unless
 //! another worker took the execution over meanwhile.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use fenceline_bus::OutboxWriter;
 use fenceline_domain::calls::Backoff;
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{AttemptFailed, AttemptReleased, Event, topics};
-use sqlx::{PgConnection, Row as _};
+use sqlx::{PgConnection, PgPool, Row as _};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::worker::{Lease, STILL_RUNNING, Stop, Workers, jitter};
+use crate::ExecutorSettings;
+use crate::lease::{Lease, STILL_RUNNING, Stop, jitter};
 
 /// What the execution row becomes in one fenced write.
 #[derive(Debug, Clone, Copy)]
@@ -140,7 +143,16 @@ pub(crate) struct Recorded {
 /// Waits between tries of a write that met a database error.
 const WRITE_RETRY: Backoff = Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(2) };
 
-impl Workers {
+/// The fenced writes of one process's workers: each phase and status an execution
+/// reaches, with its events, written only under the lease's fencing token.
+#[derive(Debug, Clone)]
+pub struct Recorder {
+    pub pool: PgPool,
+    pub outbox: OutboxWriter,
+    pub settings: Arc<ExecutorSettings>,
+}
+
+impl Recorder {
     /// Writes `transition` and `events` in one fenced transaction. A database
     /// error is tried again with backoff until the attempt budget ends, while no
     /// other worker is known to hold the execution; a retry

@@ -1,29 +1,28 @@
 //! Workers: claim an execution with a lease and a fencing token, keep the lease
 //! alive by heartbeat, and walk the kind's steps through the recorded phases
 //! `claimed → step_started → call_intent → provider_accepted → result_recorded →
-//! finished`. Each phase is its own short fenced transaction (`record.rs`); no
+//! finished`. Each phase is its own short fenced transaction ([`crate::record`]); no
 //! transaction or pooled connection is held while the provider is called
-//! (`call.rs`). A takeover after `call_intent` reports `AttemptLost` and does
-//! nothing else: the reconciler decides.
+//! ([`crate::call`]). A takeover after `call_intent` reports `AttemptLost` and does
+//! nothing else: the reconciler decides. The parts call each other in one
+//! direction: workers use calls, calls use the recorder, and all of them hold
+//! leases ([`crate::lease`]).
 //!
 //! Leases are judged by one clock. The database's (`clock_timestamp()`) sets and
 //! compares every expiry, in the statement that claims or renews; a worker knows
 //! how long its own lease holds from the monotonic instant it sent the renewal plus
-//! the length the database granted, minus [`LEASE_MARGIN`]. No host's wall clock
+//! the length the database granted, minus [`crate::lease::LEASE_MARGIN`]. No host's wall clock
 //! decides whether a lease expired (docs/execution.md, "Executor").
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
-use fenceline_events::{
-    ArtifactRef, AttemptClaimed, AttemptLost, AttemptSucceeded, AwaitingSignal, Event, Timestamp, topics,
-};
-use fenceline_providers::HttpProvider;
+use fenceline_events::{ArtifactRef, AttemptClaimed, AttemptLost, AwaitingSignal, Event, Timestamp, topics};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -31,34 +30,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
-use crate::call::Ends;
+use crate::call::{Calls, Ends, checkpointed_result, succeeded};
+use crate::lease::{DB_NOW_US, Lease, Stop};
 use crate::record::{Status, Transition, released};
-
-/// Why a worker stopped an execution early.
-#[derive(Debug, thiserror::Error)]
-pub enum Stop {
-    /// A conditional write matched no row: another worker holds the execution now.
-    #[error("write rejected: fenced (another worker holds this execution)")]
-    Fenced,
-    /// The lease may have expired (the process was paused, renewals failed): a
-    /// call must not leave on a lease someone else may hold.
-    #[error("the lease lapsed before the call left; not sending")]
-    LeaseLapsed,
-    #[error(transparent)]
-    Bus(#[from] fenceline_bus::Error),
-}
-
-impl From<sqlx::Error> for Stop {
-    fn from(e: sqlx::Error) -> Self {
-        Stop::Bus(e.into())
-    }
-}
-
-impl From<fenceline_bus::faults::Injected> for Stop {
-    fn from(e: fenceline_bus::faults::Injected) -> Self {
-        Stop::Bus(fenceline_bus::Error::Injected(e))
-    }
-}
 
 /// One claimed execution, as the claim returned it.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -92,31 +66,12 @@ struct ClaimRow {
 /// generation that checkpointed each.
 type Checkpoints = HashMap<String, (serde_json::Value, i32)>;
 
-/// Taken off every lease this worker believes it holds: the hop from a check to
-/// the request's first byte (the blocking pool, a busy runtime) and any drift of
-/// this host's monotonic clock from the database's over one lease.
-pub(crate) const LEASE_MARGIN: Duration = Duration::from_millis(200);
-
-/// The database's clock, in micros since the epoch: the one clock leases use.
-/// Do not change: every lease expiry is written and compared in these units.
-const DB_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
-
-/// `status = 'running'`, written so that the planner cannot match it to the
-/// partial index `executions_claimable` (ready and running executions): a write
-/// that names its execution by grant id must find it through the primary key.
-/// Statistics taken while no execution was ready or running make that index look
-/// empty, and the planner then scanned it whole, dead entries included, on every
-/// fenced write: hundreds of entries and a quarter of a millisecond per write
-/// under load (docs/performance.md, "A partial index that looked empty").
-pub(crate) const STILL_RUNNING: &str = "(status = 'running') IS TRUE";
-
 /// What every worker of a process shares.
 #[derive(Debug, Clone)]
 pub struct Workers {
     pub pool: PgPool,
     pub outbox: OutboxWriter,
     pub catalog: Arc<Catalog>,
-    pub providers: Arc<HashMap<String, HttpProvider>>,
     pub settings: Arc<ExecutorSettings>,
     pub wake: Arc<Notify>,
     /// The grants this process recorded, claimed by id ([`crate::grants::Handed`]).
@@ -128,46 +83,8 @@ pub struct Workers {
     pub idle_looker: Arc<tokio::sync::Mutex<()>>,
     /// This process's name in leases.
     pub name: String,
-}
-
-/// A worker's hold on one execution.
-#[derive(Debug, Clone)]
-pub(crate) struct Lease {
-    pub grant_id: GrantId,
-    pub task_id: TaskId,
-    pub attempt: i32,
-    pub generation: i32,
-    pub token: i64,
-    /// The phase this worker last wrote (the expected phase of its next write).
-    pub phase: Phase,
-    /// Until when the lease surely holds, by the monotonic clock: the instant the
-    /// latest renewal was sent plus the length the database granted.
-    valid_until: Arc<Mutex<Instant>>,
-    /// Cancelled when a renewal found that another worker holds the execution.
-    pub fenced: CancellationToken,
-    /// Until when a write that met a database error is tried again (the attempt
-    /// budget's end): every write is fenced, so a retry after the lease lapsed
-    /// either records what this worker knows or is rejected, never both.
-    pub(crate) writes_until: Instant,
-}
-
-impl Lease {
-    /// Whether the lease surely holds for `span` more, with the margin.
-    pub fn holds_for(&self, span: Duration) -> bool {
-        let until = *self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
-        Instant::now() + span + LEASE_MARGIN <= until
-    }
-
-    /// A renewal sent at `sent` was granted `granted`; renewals may answer out of order.
-    pub(crate) fn extend(&self, sent: Instant, granted: Duration) {
-        let mut until = self.valid_until.lock().unwrap_or_else(PoisonError::into_inner);
-        *until = (*until).max(sent + granted);
-    }
-
-    /// Whether another worker is known to hold the execution now.
-    pub fn fenced(&self) -> bool {
-        self.fenced.is_cancelled()
-    }
+    /// The calls the workers make, and the records they keep.
+    pub calls: Calls,
 }
 
 /// A claimed execution, ready to run.
@@ -379,17 +296,16 @@ impl Workers {
             budget: at(claim.first_claimed_at_us.saturating_add(claim.lease_budget_ms.saturating_mul(1_000))),
             deadline: claim.deadline_us.map(at),
         };
-        let mut lease = Lease {
-            grant_id: GrantId::from_uuid(claim.grant_id),
-            task_id: TaskId::from_uuid(claim.task_id),
-            attempt: claim.attempt,
-            generation: claim.generation,
-            token: claim.fencing_token,
-            phase: read_phase(&claim.phase),
-            valid_until: Arc::new(Mutex::new(sent + granted)),
-            fenced: CancellationToken::new(),
-            writes_until: ends.budget,
-        };
+        let mut lease = Lease::taken(
+            GrantId::from_uuid(claim.grant_id),
+            TaskId::from_uuid(claim.task_id),
+            claim.attempt,
+            claim.generation,
+            claim.fencing_token,
+            read_phase(&claim.phase),
+            sent + granted,
+            ends.budget,
+        );
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
         let result = self.steps(&claim, done, &mut lease, shutdown, ends).await;
         heartbeat.abort();
@@ -402,39 +318,10 @@ impl Workers {
         let every = Duration::from_millis(self.settings.lease_ms / 3);
         loop {
             tokio::time::sleep(every).await;
-            match self.renew(&lease).await {
+            match crate::lease::renew(&self.pool, self.settings.lease_ms, &lease).await {
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(e) => warn!(error = %e, "renewing a lease failed; trying again"),
-            }
-        }
-    }
-
-    /// Renews the lease by the database's clock. `Ok(false)`: another worker
-    /// holds the execution now (the lease is marked fenced).
-    pub(crate) async fn renew(&self, lease: &Lease) -> Result<bool, Stop> {
-        fenceline_bus::fault!("executor.renew_lease");
-        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        let sent = Instant::now();
-        let granted: Option<i64> = sqlx::query_scalar(&format!(
-            "WITH clock AS (SELECT {DB_NOW_US} AS now_us) \
-             UPDATE executions SET lease_expires_at_us = clock.now_us + $3 FROM clock \
-             WHERE grant_id = $1 AND fencing_token = $2 AND {STILL_RUNNING} \
-             RETURNING lease_expires_at_us - clock.now_us"
-        ))
-        .bind(lease.grant_id.as_uuid())
-        .bind(lease.token)
-        .bind(lease_us)
-        .fetch_optional(&self.pool)
-        .await?;
-        match granted {
-            Some(us) => {
-                lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
-                Ok(true)
-            }
-            None => {
-                lease.fenced.cancel();
-                Ok(false)
             }
         }
     }
@@ -449,10 +336,10 @@ impl Workers {
     ) -> Result<(), Stop> {
         let Some(kind) = self.catalog.kind(&claim.kind) else {
             let message = format!("no kind `{}` in the catalogue", claim.kind);
-            return self.fail(lease, ErrorClass::Rejected, &message, None, false, None).await;
+            return self.calls.recorder.fail(lease, ErrorClass::Rejected, &message, None, false, None).await;
         };
         if claim.cancel_requested {
-            return self.release(lease, ReleaseReason::Cancelled).await;
+            return self.calls.recorder.release(lease, ReleaseReason::Cancelled).await;
         }
         let input: serde_json::Value = serde_json::from_str(&claim.input_json).unwrap_or(serde_json::Value::Null);
         let mut outputs = serde_json::Map::new();
@@ -471,7 +358,7 @@ impl Workers {
             match step.approval_signal.as_deref() {
                 Some(signal) if claim.resume_after_step.as_deref() == Some(step.name.as_str()) => {
                     let output = serde_json::json!({ "approved_by_signal": signal });
-                    self.checkpoint(lease, &step.name, &output, None, None, None).await?;
+                    self.calls.checkpoint(lease, &step.name, &output, None, None, None).await?;
                     outputs.insert(step.name.clone(), output);
                 }
                 Some(signal) => return self.await_signal(lease, &step.name, signal).await,
@@ -479,7 +366,7 @@ impl Workers {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
                     // The last step's checkpoint finishes the attempt in the same write.
                     let finishes = index + 1 == kind.steps.len();
-                    match self.call_step(step, lease, call_input, shutdown, ends, finishes).await? {
+                    match self.calls.call_step(step, lease, call_input, shutdown, ends, finishes).await? {
                         Some(_) if finishes => {
                             info!(task_id = %lease.task_id, "attempt succeeded");
                             return Ok(());
@@ -494,9 +381,15 @@ impl Workers {
             }
         }
         let Some(result) = last else {
-            return self.fail(lease, ErrorClass::Rejected, "the kind produced no result", None, false, None).await;
+            return self
+                .calls
+                .recorder
+                .fail(lease, ErrorClass::Rejected, "the kind produced no result", None, false, None)
+                .await;
         };
-        self.record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[succeeded(lease, result)])
+        self.calls
+            .recorder
+            .record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[succeeded(lease, result)])
             .await?;
         info!(task_id = %lease.task_id, "attempt succeeded");
         Ok(())
@@ -513,31 +406,8 @@ impl Workers {
         });
         let events = [waiting, released(lease, ReleaseReason::AwaitingSignal)];
         let transition = Transition::to(Phase::StepStarted).step(step).status(Status::Released);
-        self.record(lease, transition, &events).await?;
+        self.calls.recorder.record(lease, transition, &events).await?;
         Ok(())
-    }
-}
-
-/// The result of a call step checkpointed earlier: an artifact's reference is its
-/// output; any other output is an inline result, referred to by where it was
-/// checkpointed and hashed as it was (its canonical JSON text).
-pub(crate) fn checkpointed_result(
-    task_id: TaskId,
-    generation: i32,
-    step: &str,
-    output: &serde_json::Value,
-) -> ArtifactRef {
-    if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
-        return artifact;
-    }
-    let text = fenceline_providers::dialect::canonical_json(output);
-    ArtifactRef {
-        uri: crate::call::inline_uri(task_id, generation, step),
-        sha256: {
-            use sha2::{Digest, Sha256};
-            hex::encode(Sha256::digest(text.as_bytes()))
-        },
-        size_bytes: i64::try_from(text.len()).unwrap_or(i64::MAX),
     }
 }
 
@@ -545,25 +415,4 @@ pub(crate) fn checkpointed_result(
 /// for `call_intent` (a call may have left), never for "nothing was sent".
 fn read_phase(stored: &str) -> Phase {
     stored.parse().unwrap_or(Phase::CallIntent)
-}
-
-/// A draw in `[0, 1)` for full jitter; unpredictable enough to spread workers
-/// apart, and without a dependency of its own.
-pub(crate) fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher
-        .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
-    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
-}
-
-/// The attempt's success, with the result of its last step.
-pub(crate) fn succeeded(lease: &Lease, result: ArtifactRef) -> Event {
-    Event::AttemptSucceeded(AttemptSucceeded {
-        task_id: lease.task_id,
-        attempt: lease.attempt,
-        grant_id: lease.grant_id,
-        result,
-        finished_at: crate::clock::now(),
-    })
 }

@@ -8,9 +8,8 @@ use std::sync::Arc;
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
-use fenceline_domain::calls::{
-    AfterFencedResult, AfterLoss, CaseStanding, after_fenced_result, after_loss, key_forgotten, key_remembered,
-};
+use fenceline_domain::calls::{AfterFencedResult, CaseStanding, after_fenced_result};
+use fenceline_domain::cases::{self, LostAttempt, Opening, weighs_key_age};
 use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::{CaseState, ErrorClass, Phase, RecoveryDecision};
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
@@ -197,97 +196,32 @@ impl Watches {
         let caps = spec.map(|p| p.capabilities()).unwrap_or_default();
         let case_id = uuid::Uuid::now_v7();
         let ask_until = deadline.unwrap_or(now + i64::try_from(self.settings.ask_for_ms).unwrap_or(0) * 1_000);
-        let mut found = vec![
-            evidence("executor", lost.what.clone()),
-            evidence(
-                "executor",
-                format!(
-                    "last durable phase `{}` at {}{}",
-                    lost.phase,
-                    Timestamp(lost.phase_at).to_rfc3339(),
-                    lost.request_id.as_deref().map(|r| format!(", provider request id {r}")).unwrap_or_default()
-                ),
-            ),
-        ];
-        let decision = after_loss(lost.phase, lost.request_id.is_some(), caps);
-        let (state, decided) = match decision {
-            AfterLoss::RetrySafe => {
-                found.push(evidence("reconciler", "no call had left; a retry spends nothing"));
-                (CaseState::Decided, Some(RecoveryDecision::RetrySafe))
+        let memory = spec.and_then(|p| p.key_memory());
+        let first = match &lost.operation_key {
+            Some(key) if weighs_key_age(lost.phase, lost.request_id.is_some(), caps, memory) => {
+                self.key_first_intent(tx, lost.task_id, key).await?
             }
-            // The step's result was verified and checkpointed before the loss: a
-            // call did leave, and the retry resumes after it without calling again.
-            AfterLoss::FinishRecorded => {
-                found.push(evidence(
-                    "reconciler",
-                    "the step's result was recorded before the worker was lost; a retry resumes after it without \
-                     calling again",
-                ));
-                (CaseState::Decided, Some(RecoveryDecision::RetrySafe))
-            }
-            AfterLoss::RetrySameKey => {
-                let memory = spec.and_then(|p| p.key_memory());
-                let first = match (&lost.operation_key, memory) {
-                    (Some(key), Some(_)) => self.key_first_intent(tx, lost.task_id, key).await?,
-                    _ => None,
-                };
-                match (memory, first) {
-                    (Some(memory), Some(first)) if !key_remembered(first, now, Some(memory)) => {
-                        found.push(evidence(
-                            "catalogue",
-                            key_forgotten(&provider_name, memory, &Timestamp(first).to_rfc3339()),
-                        ));
-                        (CaseState::Decided, Some(RecoveryDecision::OutcomeUnknown))
-                    }
-                    _ => {
-                        found.push(evidence(
-                            "catalogue",
-                            format!(
-                                "provider `{provider_name}` deduplicates by operation key; the retry carries the \
-                                 same key {}",
-                                lost.operation_key.as_deref().unwrap_or("?")
-                            ),
-                        ));
-                        (CaseState::Decided, Some(RecoveryDecision::RetrySameKey))
-                    }
-                }
-            }
-            AfterLoss::AskProvider => {
-                found.push(match (&lost.request_id, caps.lookup) {
-                    (Some(request_id), _) => evidence(
-                        "reconciler",
-                        format!(
-                            "provider `{provider_name}` accepted the call as {request_id}: it received it, and the \
-                             request id is polled until its result or the task's deadline"
-                        ),
-                    ),
-                    (None, _) => {
-                        evidence("catalogue", format!("provider `{provider_name}` answers look-ups by operation key"))
-                    }
-                });
-                let window = spec.map(|p| p.in_flight_window()).unwrap_or_default();
-                found.push(evidence(
-                    "reconciler",
-                    format!(
-                        "a request the lost worker sent could still reach the provider until {} (its call timeout \
-                         and registration time after the loss was reported); a look-up's \"never received\" \
-                         counts only from then",
-                        Timestamp(now + i64::try_from(window.as_micros()).unwrap_or(i64::MAX / 4)).to_rfc3339()
-                    ),
-                ));
-                (CaseState::Asking, None)
-            }
-            AfterLoss::OutcomeUnknown => {
-                found.push(evidence(
-                    "catalogue",
-                    format!(
-                        "provider `{provider_name}` can neither deduplicate nor look up: whether it did the work \
-                         cannot be known; retrying as a new operation may be billed again"
-                    ),
-                ));
-                (CaseState::Decided, Some(RecoveryDecision::OutcomeUnknown))
-            }
+            _ => None,
         };
+        let first_shown = first.map(|at| Timestamp(at).to_rfc3339());
+        let in_flight = spec.map(|p| p.in_flight_window()).unwrap_or_default();
+        let in_flight_until =
+            Timestamp(now + i64::try_from(in_flight.as_micros()).unwrap_or(i64::MAX / 4)).to_rfc3339();
+        let phase_at = Timestamp(lost.phase_at).to_rfc3339();
+        let Opening { state, decision: decided, evidence: lines } = cases::open(&LostAttempt {
+            provider: &provider_name,
+            capabilities: caps,
+            what: &lost.what,
+            phase: lost.phase,
+            phase_at: &phase_at,
+            request_id: lost.request_id.as_deref(),
+            operation_key: lost.operation_key.as_deref(),
+            key_memory: memory,
+            key_first_sent: first.zip(first_shown.as_deref()),
+            in_flight_until: &in_flight_until,
+            now,
+        });
+        let found: Vec<Evidence> = lines.into_iter().map(|(source, line)| evidence(source, line)).collect();
         let inserted = sqlx::query(
             "INSERT INTO cases (case_id, task_id, attempt, kind, step, provider, operation_key, provider_request_id, \
              last_phase, last_phase_at_us, state, decision, next_ask_at_us, ask_until_us, evidence, decided_at, \
@@ -320,7 +254,7 @@ impl Watches {
         if inserted == 0 {
             return Ok(());
         }
-        tracing::info!(task_id = %lost.task_id, attempt = lost.attempt, phase = %lost.phase, ?decision, "case opened");
+        tracing::info!(task_id = %lost.task_id, attempt = lost.attempt, phase = %lost.phase, decision = ?decided, "case opened");
         if let Some(decision) = decided {
             let case = (decision == RecoveryDecision::OutcomeUnknown).then(|| case_id.to_string());
             let decided = RecoveryDecided { case_id: case, ..recovery(lost.task_id, lost.attempt, decision, found) };

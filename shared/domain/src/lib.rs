@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod approvals;
 pub mod calls;
+pub mod cases;
 pub mod ids;
 pub mod lifecycle;
 pub mod limits;

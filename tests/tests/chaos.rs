@@ -319,6 +319,45 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         plan.seed
     );
     let mut rng = StdRng::seed_from_u64(plan.seed);
+    let (mut system, tokens) = start_a_misbehaving_system(plan).await;
+
+    let started = Instant::now();
+    let (accepted, client_figures, mut figures) =
+        faults_while_the_tasks_arrive(&mut system, &mut rng, &tokens, plan, started).await;
+    let last_fault = Instant::now();
+    revive(&mut system, &mut figures).await;
+
+    let drained = drain(&mut system, &mut figures, &tokens, &accepted, plan).await;
+    let drained_in = last_fault.elapsed();
+
+    let by_state = assert_none_lost(&system, &accepted, &drained, plan).await;
+    let charges = assert_charged_at_most_once_per_task_and_step(&system, &accepted, &drained, plan).await;
+    let doubts = assert_every_outcome_unknown_is_in_doubt(&system, &drained, &charges, &figures, plan).await;
+    let takeovers = assert_one_live_lease_at_a_time(&system, plan).await;
+
+    let kills: usize = figures.kills.values().sum();
+    let crashes: usize = figures.crashes.values().sum();
+    print_figures(
+        &system,
+        &Verdict {
+            plan,
+            accepted: accepted.len(),
+            client: &client_figures,
+            faults: &figures,
+            by_state: &by_state,
+            drained: &drained,
+            drained_in,
+            charges: &charges,
+            doubts: &doubts,
+            takeovers,
+            started,
+        },
+    );
+    assert!(kills + crashes >= 5, "the run had faults: {kills} kills, {crashes} crashes");
+}
+
+/// Starts the run's own broker, Postgres, misbehaving providers and services; the tenants' tokens.
+async fn start_a_misbehaving_system(plan: Plan) -> (System, Vec<String>) {
     // A broker and a Postgres of the run's own: it restarts both, and the other suites
     // run beside it on the test stack's.
     let mut system = System::with_own_broker_and_postgres(&[
@@ -392,10 +431,18 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     for tenant in TENANTS {
         tokens.push(system.token(tenant).await);
     }
+    (system, tokens)
+}
 
-    // Faults while the tasks arrive.
-    let started = Instant::now();
-    let submitting = tokio::spawn(client(system.url_of("intake"), tokens.clone(), plan));
+/// Submits every task while services die and the broker, Postgres and writes fail once each.
+async fn faults_while_the_tasks_arrive(
+    system: &mut System,
+    rng: &mut StdRng,
+    tokens: &[String],
+    plan: Plan,
+    started: Instant,
+) -> (HashMap<usize, String>, Figures, Figures) {
+    let submitting = tokio::spawn(client(system.url_of("intake"), tokens.to_vec(), plan));
     let mut figures = Figures::default();
     let (broker_at, read_only_at, postgres_at) =
         (plan.chaos.mul_f64(0.4), plan.chaos.mul_f64(0.55), plan.chaos.mul_f64(0.7));
@@ -404,7 +451,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let faults = |f: &Figures| f.kills.values().sum::<usize>() + f.crashes.values().sum::<usize>();
     while started.elapsed() < plan.chaos || (faults(&figures) < 5 && started.elapsed() < plan.chaos * 3) {
         tokio::time::sleep(Duration::from_millis(rng.random_range(2_000..5_000))).await;
-        revive(&mut system, &mut figures).await;
+        revive(system, &mut figures).await;
         if figures.broker_restarts == 0 && started.elapsed() >= broker_at {
             system.broker().kill();
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -428,13 +475,30 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
             figures.postgres_restarts += 1;
             continue;
         }
-        strike(&mut system, &mut rng, &mut figures).await;
+        strike(system, rng, &mut figures).await;
     }
     let (accepted, client_figures) = submitting.await.expect("client");
-    let last_fault = Instant::now();
-    revive(&mut system, &mut figures).await;
+    (accepted, client_figures, figures)
+}
 
-    // Drain: every task settles; triage tasks get their approval once.
+/// What the drain left: the scheduler's states, the accepted tasks, a person's resolutions.
+#[derive(Debug)]
+struct Drained {
+    states: HashMap<uuid::Uuid, (String, i64)>,
+    accepted_ids: HashSet<uuid::Uuid>,
+    /// Cases a person resolved with retry_as_new, by task: at most twice each.
+    resolved: HashMap<uuid::Uuid, u32>,
+    unsettled_at_last_fault: Option<usize>,
+}
+
+/// Waits for every task to settle, approving and resolving as a person would, within the drain.
+async fn drain(
+    system: &mut System,
+    figures: &mut Figures,
+    tokens: &[String],
+    accepted: &HashMap<usize, String>,
+    plan: Plan,
+) -> Drained {
     let by_tenant: HashMap<String, String> =
         TENANTS.iter().map(|t| (*t).to_owned()).zip(tokens.iter().cloned()).collect();
     let accepted_ids: HashSet<uuid::Uuid> =
@@ -445,11 +509,11 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     let deadline = Instant::now() + plan.drain;
     let mut unsettled_at_last_fault = None;
     let states = loop {
-        let states = scheduler_states(&system).await;
-        let kinds = task_kinds(&system).await;
+        let states = scheduler_states(system).await;
+        let kinds = task_kinds(system).await;
         let resolvable = |task: &uuid::Uuid| kinds.get(task).is_some_and(|k| k == RESOLVED_KIND);
         for (task, (state, generation)) in &states {
-            if state == "awaiting_approval" && !approved.contains(task) && approve(&system, &by_tenant, *task).await {
+            if state == "awaiting_approval" && !approved.contains(task) && approve(system, &by_tenant, *task).await {
                 approved.insert(*task);
             }
             let times = resolved.get(task).copied().unwrap_or(0);
@@ -457,7 +521,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
                 && resolvable(task)
                 && *generation == i64::from(times)
                 && times < 2
-                && resolve_as_new(&system, &by_tenant, *task).await
+                && resolve_as_new(system, &by_tenant, *task).await
             {
                 resolved.insert(*task, times + 1);
             }
@@ -488,16 +552,24 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
                 unsettled.len(),
                 plan.drain,
                 plan.seed,
-                where_they_stand(&system, &sample).await,
+                where_they_stand(system, &sample).await,
                 system.logs()
             );
         }
-        revive(&mut system, &mut figures).await;
+        revive(system, figures).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    let drained_in = last_fault.elapsed();
+    Drained { states, accepted_ids, resolved, unsettled_at_last_fault }
+}
 
-    // 1. None lost: every accepted task is in intake and at the scheduler, settled.
+/// 1. None lost: every accepted task is in intake and at the scheduler, settled; tasks by state.
+async fn assert_none_lost<'a>(
+    system: &System,
+    accepted: &HashMap<usize, String>,
+    drained: &'a Drained,
+    plan: Plan,
+) -> BTreeMap<&'a str, usize> {
+    let Drained { states, accepted_ids, .. } = drained;
     let in_intake: HashSet<uuid::Uuid> = sqlx::query_scalar::<_, uuid::Uuid>("SELECT task_id FROM intake.tasks")
         .fetch_all(&system.pool)
         .await
@@ -508,14 +580,33 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     assert!(accepted_ids.is_subset(&in_intake), "an accepted task is missing from intake");
     assert_eq!(in_intake.len(), accepted_ids.len(), "a submission twice with one key made a second task");
     let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
-    for id in &accepted_ids {
+    for id in accepted_ids {
         *by_state.entry(states[id].0.as_str()).or_default() += 1;
     }
+    by_state
+}
 
-    // 2. Charges: at most one per task and step at every provider; only generation 0
-    //    (nobody resolved anything).
+/// The charges the providers' own logs show.
+#[derive(Debug)]
+struct Charges {
+    /// Each accepted task's number, by task id.
+    numbers: HashMap<uuid::Uuid, usize>,
+    /// The task numbers some provider received a call of.
+    received: HashSet<u64>,
+    by_provider: BTreeMap<&'static str, usize>,
+}
+
+/// 2. Charges: at most one per task and step at every provider, by the providers' own logs.
+async fn assert_charged_at_most_once_per_task_and_step(
+    system: &System,
+    accepted: &HashMap<usize, String>,
+    drained: &Drained,
+    plan: Plan,
+) -> Charges {
+    let Drained { states, resolved, .. } = drained;
+    // Only generation 0 unless a person resolved the task's case.
     let mut numbers = HashMap::new();
-    for (n, id) in &accepted {
+    for (n, id) in accepted {
         numbers.insert(id.parse::<TaskId>().expect("id").as_uuid(), *n);
     }
     let mut charges: HashMap<(&str, u64, String), usize> = HashMap::new();
@@ -548,12 +639,30 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         .map(str::to_owned)
         .collect();
     assert!(condemned.is_empty(), "records dead-lettered while the database refused writes: {condemned:#?}");
+    Charges { numbers, received, by_provider: charges_by_provider }
+}
 
-    // 3. Every outcome_unknown is genuinely in doubt: its provider received the call,
-    //    or the executor died between committing the call intent and the request
-    //    leaving (the one window no record can tell from "sent, answer lost"; docs/architecture.md,
-    //    "Recovery after a lost call" makes it unknown at a provider that can neither dedupe nor be
-    //    asked). Every other task its provider never received was retried.
+/// The tasks left in doubt: by reason, and those whose provider never received the call.
+#[derive(Debug)]
+struct Doubts {
+    by_reason: BTreeMap<String, usize>,
+    at_intent: usize,
+}
+
+/// 3. Every outcome_unknown is genuinely in doubt: the call arrived, or its executor died at the intent.
+async fn assert_every_outcome_unknown_is_in_doubt(
+    system: &System,
+    drained: &Drained,
+    charges: &Charges,
+    figures: &Figures,
+    plan: Plan,
+) -> Doubts {
+    let Drained { states, accepted_ids, .. } = drained;
+    let Charges { numbers, received, .. } = charges;
+    // The one window no record can tell from "sent, answer lost" is an executor that died
+    // between committing the call intent and the request leaving: docs/architecture.md,
+    // "Recovery after a lost call", makes it unknown at a provider that can neither dedupe
+    // nor be asked. Every other task its provider never received was retried.
     let mut unknown_reasons: BTreeMap<String, usize> = BTreeMap::new();
     let mut unknown_at_intent = 0;
     for (id, (state, _)) in states.iter().filter(|(id, _)| accepted_ids.contains(id)) {
@@ -590,16 +699,20 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
                     "task {n} is outcome_unknown and its provider never received it, yet no executor died (nor \
                      Postgres restarted) between its call intent and the request leaving: {case:?} (seed {}):\n{}",
                     plan.seed,
-                    where_they_stand(&system, &[*id]).await
+                    where_they_stand(system, &[*id]).await
                 );
             }
             unknown_at_intent += 1;
         }
     }
+    Doubts { by_reason: unknown_reasons, at_intent: unknown_at_intent }
+}
 
-    // 4. One live lease at a time: in each task's own order on fenceline.attempts, a
-    //    grant is claimed only after the previous one ended, and a takeover of the
-    //    same grant carries a larger fencing token; no two executions run at the end.
+/// 4. One live lease at a time, by fenceline.attempts and the executions; the takeovers counted.
+async fn assert_one_live_lease_at_a_time(system: &System, plan: Plan) -> usize {
+    // In each task's own order on fenceline.attempts, a grant is claimed only after the
+    // previous one ended, and a takeover of the same grant carries a larger fencing token;
+    // no two executions run at the end.
     let brokers = system.brokers.clone();
     let topic = topics::named(&system.prefix, topics::ATTEMPTS);
     let records = tokio::task::spawn_blocking(move || {
@@ -650,8 +763,43 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     .await
     .expect("executions");
     assert_eq!(running_twice, 0, "a task with two running executions");
+    takeovers
+}
 
-    // 5. The figures.
+/// What the run's figures are printed from.
+#[derive(Debug)]
+struct Verdict<'a> {
+    plan: Plan,
+    accepted: usize,
+    client: &'a Figures,
+    faults: &'a Figures,
+    by_state: &'a BTreeMap<&'a str, usize>,
+    drained: &'a Drained,
+    drained_in: Duration,
+    charges: &'a Charges,
+    doubts: &'a Doubts,
+    takeovers: usize,
+    started: Instant,
+}
+
+/// 5. The figures of the run.
+fn print_figures(system: &System, verdict: &Verdict<'_>) {
+    let Verdict {
+        plan,
+        accepted,
+        client: client_figures,
+        faults: figures,
+        by_state,
+        drained,
+        drained_in,
+        charges,
+        doubts,
+        takeovers,
+        started,
+    } = verdict;
+    let (resolved, charges_by_provider) = (&drained.resolved, &charges.by_provider);
+    let (unknown_reasons, unknown_at_intent) = (&doubts.by_reason, doubts.at_intent);
+    let unsettled_at_last_fault = drained.unsettled_at_last_fault;
     let fenced = system.count_lines("write rejected: fenced");
     let redelivered = system.count_lines("records redelivered after a restart");
     let duplicates = system.count_lines("duplicate event skipped");
@@ -660,10 +808,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
     println!("== chaos run, seed {} ==", plan.seed);
     println!(
         "tasks {} (submitted twice {}, replayed answers {}, client retries while intake was down {})",
-        accepted.len(),
-        client_figures.resubmitted,
-        client_figures.replayed,
-        client_figures.submit_retries
+        accepted, client_figures.resubmitted, client_figures.replayed, client_figures.submit_retries
     );
     println!("final states {by_state:?}");
     println!("SIGKILLs {kills} {:?}", figures.kills);
@@ -682,7 +827,7 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         "redelivery batches skipped by offset {redelivered}, duplicate events skipped {duplicates}, \
          fenced writes rejected {fenced}, grants claimed again after their lease expired {takeovers}"
     );
-    println!("charges {charges_by_provider:?} for {} tasks; at most one per task and step", accepted.len());
+    println!("charges {charges_by_provider:?} for {} tasks; at most one per task and step", accepted);
     println!("outcome_unknown by reason {unknown_reasons:?}");
     println!(
         "outcome_unknown though the provider never received it (the executor died between the call intent \
@@ -696,7 +841,6 @@ async fn nothing_is_lost_or_paid_twice_while_every_service_dies_at_random() {
         drained_tasks as f64 / drained_in.as_secs_f64().max(0.001),
         started.elapsed().as_secs_f64()
     );
-    assert!(kills + crashes >= 5, "the run had faults: {kills} kills, {crashes} crashes");
 }
 
 /// Whether the task waits for a person.

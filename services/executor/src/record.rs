@@ -471,3 +471,6 @@ fn fenced(row: Option<sqlx::postgres::PgRow>) -> Result<(bool, Option<i64>, Opti
     let row = row.ok_or(Stop::Fenced)?;
     Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
 }
+
+#[cfg(test)]
+mod tests;

@@ -631,3 +631,6 @@ impl Watches {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -7,6 +7,8 @@ pub mod health;
 pub mod retention;
 pub mod spend;
 pub mod tasks;
+#[cfg(test)]
+mod test_schema;
 
 use std::sync::Arc;
 use std::time::Duration;

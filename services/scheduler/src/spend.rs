@@ -31,3 +31,6 @@ pub async fn today(tx: &mut PgConnection, tenant: &str) -> Result<Amount, sqlx::
     .await?;
     Ok(Amount::from_micros(micros.unwrap_or(0)))
 }
+
+#[cfg(test)]
+mod tests;

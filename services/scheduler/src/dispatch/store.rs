@@ -175,3 +175,6 @@ pub async fn write_buckets(tx: &mut PgConnection, buckets: &[(&str, f64, Micros)
     .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -140,6 +140,26 @@ fn clone_migrator(migrator: &Migrator) -> Migrator {
     }
 }
 
+/// A new schema of its own in the test Postgres (`FENCELINE_TEST_DATABASE_URL`, which
+/// `deploy/local/stack test` exports), migrated with `migrators` as `service`
+/// migrates its own: store tests run side by side on empty tables without the rest
+/// of the system.
+///
+/// # Panics
+///
+/// Without `FENCELINE_TEST_DATABASE_URL`, or when the schema cannot be made: it is
+/// for tests only.
+pub async fn fresh_test_schema(service: &str, migrators: &[&Migrator]) -> Database {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static MADE: AtomicU64 = AtomicU64::new(0);
+    let url = std::env::var("FENCELINE_TEST_DATABASE_URL")
+        .expect("FENCELINE_TEST_DATABASE_URL: run `deploy/local/stack test`");
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let schema = format!("t_{nanos:x}_{}_{}", std::process::id(), MADE.fetch_add(1, Ordering::Relaxed));
+    let config = fenceline_config::PostgresConfig::at(&url, Some(&schema), 4);
+    connect(&config, service, migrators).await.expect("a fresh schema")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,13 +10,7 @@ use crate::lease::renew;
 
 /// A new schema holding the bus tables and the executor's.
 async fn fresh_schema() -> PgPool {
-    let url = std::env::var("FENCELINE_TEST_DATABASE_URL")
-        .expect("FENCELINE_TEST_DATABASE_URL: run `deploy/local/stack test`");
-    let config = fenceline_config::PostgresConfig::at(&url, Some(&format!("t_{}", uuid::Uuid::now_v7().simple())), 4);
-    fenceline_store::connect(&config, "executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR])
-        .await
-        .expect("a fresh schema")
-        .pool
+    fenceline_store::fresh_test_schema("executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool
 }
 
 /// A lease of 15 s.

@@ -11,13 +11,7 @@ use super::*;
 
 /// A new schema holding the bus tables and the reconciler's.
 async fn fresh_schema() -> PgPool {
-    let url = std::env::var("FENCELINE_TEST_DATABASE_URL")
-        .expect("FENCELINE_TEST_DATABASE_URL: run `deploy/local/stack test`");
-    let config = fenceline_config::PostgresConfig::at(&url, Some(&format!("t_{}", uuid::Uuid::now_v7().simple())), 4);
-    fenceline_store::connect(&config, crate::NAME, &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR])
-        .await
-        .expect("a fresh schema")
-        .pool
+    fenceline_store::fresh_test_schema(crate::NAME, &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool
 }
 
 async fn record_grant(pool: &PgPool, grant_id: GrantId) {

@@ -67,14 +67,14 @@ async fn a_providers_room_counts_its_live_slots_and_creates_its_bucket_full() {
     let db = test_schema::fresh().await;
     let pool = &db.pool;
     let (mine, also_elsewhere) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
-    hold_slot(pool, mine, "imagegen", LIVE).await;
-    hold_slot(pool, also_elsewhere, "llm", LIVE).await;
-    hold_slot(pool, uuid::Uuid::now_v7(), "imagegen", EXPIRED).await;
+    hold_slot(pool, mine, "counted", LIVE).await;
+    hold_slot(pool, also_elsewhere, "counted-elsewhere", LIVE).await;
+    hold_slot(pool, uuid::Uuid::now_v7(), "counted", EXPIRED).await;
     // A grant whose own slot lives holds one here too; one whose own slot is gone does not.
-    hold_other_provider_slot(pool, also_elsewhere, "imagegen").await;
-    hold_other_provider_slot(pool, uuid::Uuid::now_v7(), "imagegen").await;
+    hold_other_provider_slot(pool, also_elsewhere, "counted").await;
+    hold_other_provider_slot(pool, uuid::Uuid::now_v7(), "counted").await;
 
-    let first = room(pool, "imagegen", 1_000).await.expect("no other round holds the provider");
+    let first = room(pool, "counted", 1_000).await.expect("no other round holds the provider");
     assert_eq!(
         first,
         Room { slots: 2, allowed: 5, reduced: None, tokens: 3.0, counted_at: 1_000 },
@@ -83,30 +83,32 @@ async fn a_providers_room_counts_its_live_slots_and_creates_its_bucket_full() {
 
     // The bucket is read as it was last written, not created again.
     let mut tx = pool.begin().await.expect("begin");
-    write_buckets(&mut tx, &[("imagegen", 0.5, 2_000)]).await.expect("write the bucket");
+    write_buckets(&mut tx, &[("counted", 0.5, 2_000)]).await.expect("write the bucket");
     tx.commit().await.expect("commit");
-    let later = room(pool, "imagegen", 3_000).await.expect("no other round holds the provider");
+    let later = room(pool, "counted", 3_000).await.expect("no other round holds the provider");
     assert_eq!((later.tokens, later.counted_at), (0.5, 2_000));
 }
 
 #[tokio::test]
 async fn a_provider_held_by_another_round_has_no_room_until_that_round_ends() {
+    // Advisory locks are the database's, not the schema's: the providers here are
+    // named for this test alone, so that store tests running beside it never meet them.
     let db = test_schema::fresh().await;
     let mut holder = db.pool.begin().await.expect("begin");
-    assert!(lock_provider(&mut holder, "imagegen", &provider(), 1_000).await.expect("lock").is_some());
+    assert!(lock_provider(&mut holder, "held", &provider(), 1_000).await.expect("lock").is_some());
 
     let mut other = db.pool.begin().await.expect("begin");
     // A round that went on past the lock would wait for the holder's bucket row: fail instead.
     sqlx::query("SET LOCAL lock_timeout = '2s'").execute(&mut *other).await.expect("set a lock timeout");
-    assert_eq!(lock_provider(&mut other, "imagegen", &provider(), 1_000).await.expect("try the lock"), None);
+    assert_eq!(lock_provider(&mut other, "held", &provider(), 1_000).await.expect("try the lock"), None);
     assert!(
-        lock_provider(&mut other, "llm", &provider(), 1_000).await.expect("lock").is_some(),
+        lock_provider(&mut other, "free", &provider(), 1_000).await.expect("lock").is_some(),
         "another provider's lock is free"
     );
     other.rollback().await.expect("rollback");
 
     holder.commit().await.expect("commit");
-    assert!(room(&db.pool, "imagegen", 1_000).await.is_some(), "the lock ends with its transaction");
+    assert!(room(&db.pool, "held", 1_000).await.is_some(), "the lock ends with its transaction");
 }
 
 async fn turns(pool: &PgPool) -> Vec<(String, Micros)> {

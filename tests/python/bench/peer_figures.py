@@ -74,19 +74,26 @@ def figures(
     warmup: float,
     enqueue_ms: list[float],
 ) -> dict:
-    """Throughput over the measured window (after the warm-up, to the last submission)
-    and latency from submission to the provider's call and to the final state."""
+    """Throughput after the warm-up and latency from submission to the provider's call
+    and to the final state.
+
+    The measured window runs from the end of the warm-up to the last submission or,
+    for an engine still working through what it accepted then, to the last task's
+    final state: an engine that accepts work faster than it finishes it is measured
+    by what it finishes."""
     window_from = started + min(warmup, (ended - started) / 4)
     to_call = [(called[k] - at) * 1e3 for k, at in submitted.items() if k in called]
     to_final = [(finished[k] - at) * 1e3 for k, at in submitted.items() if k in finished]
-    in_window = sum(1 for k in submitted if k in finished and window_from <= finished[k] <= ended)
+    window_to = max([ended] + [finished[k] for k in submitted if k in finished])
+    in_window = sum(1 for k in submitted if k in finished and window_from <= finished[k])
     return {
         "peer": peer,
         "enqueued": len(submitted),
         "done": sum(1 for k in submitted if k in finished),
         "unfinished": sum(1 for k in submitted if k not in finished),
         "provider_calls": sum(1 for k in submitted if k in called),
-        "sustained_per_s": round(in_window / max(ended - window_from, 1e-9), 1),
+        "sustained_per_s": round(in_window / max(window_to - window_from, 1e-9), 1),
+        "window_s": round(window_to - window_from, 1),
         "enqueue_ms": percentiles(enqueue_ms),
         "latency_ms": {"submit_to_provider_call": percentiles(to_call), "submit_to_final_state": percentiles(to_final)},
     }

@@ -1269,9 +1269,8 @@ pub fn side_by_side(report: &Value) {
         let l = &fenceline["latency_ms"];
         let p = |stage: &str, q: &str| l[stage][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.0}"));
         println!(
-            "  {:<16} {rate:>6.1} tasks/s  submit to provider call p50/p99 {}/{} ms  to final state p50/p99 {}/{} ms  \
-             unfinished {:.0}  [Fenceline, 1 executor, {} tasks in flight]",
-            "fenceline",
+            "  fenceline        {rate:>6.1} tasks/s  submit to provider call p50/p99 {}/{} ms  to final state p50/p99 \
+             {}/{} ms  unfinished {:.0}  [Fenceline, 1 executor, {} tasks in flight]",
             p("submit_to_provider_call", "p50"),
             p("submit_to_provider_call", "p99"),
             p("submit_to_succeeded", "p50"),
@@ -1285,9 +1284,8 @@ pub fn side_by_side(report: &Value) {
         let l = &peer["median"]["end_to_end_ms"];
         let p = |q: &str| l[q].as_f64().map_or("-".to_owned(), |v| format!("{v:.0}"));
         println!(
-            "  {:<16} {rate:>6.1} jobs/s   no provider call (a no-op job)           to done p50/p99 {}/{} ms  \
+            "  pgqueuer         {rate:>6.1} jobs/s   no provider call (a no-op job)  to done p50/p99 {}/{} ms  \
              [pgqueuer 1.6.0, one worker process]",
-            "pgqueuer",
             p("p50"),
             p("p99"),
         );

@@ -58,7 +58,8 @@ fn throughput_panel(svg: &mut String, left: f64, values: &[(String, f64, &str)])
 fn latency_panel(svg: &mut String, left: f64, groups: &[(String, f64, f64)], title: &str, axis: &str) {
     text(svg, left + PANEL / 2.0, 30.0, "middle", 15, title);
     let top = groups.iter().map(|g| g.2.max(g.1)).fold(10.0, f64::max);
-    let decades = top.log10().ceil().max(1.0);
+    // Headroom above the tallest bar, for its figure below the legend.
+    let decades = (top * 2.0).log10().ceil().max(1.0);
     let y = |ms: f64| BOTTOM - (BOTTOM - TOP) * (ms.max(1.0).log10() / decades);
     for decade in 0..=decades as i32 {
         let at = y(10f64.powi(decade));

@@ -1,5 +1,7 @@
 //! The benchmark's chart: an SVG drawn from the figures of `bench.json`, two panels
-//! (sustained throughput; latency from submit to `succeeded` by offered load, on a
+//! (sustained throughput of Fenceline and its peers; latency from submit to
+//! `succeeded` by offered load or, in a run without the `loads` scenario, from
+//! submission to the final state of Fenceline and each peer side by side, on a
 //! logarithmic scale), written by hand so the chart needs no plotting crate.
 
 use std::fmt::Write as _;
@@ -51,11 +53,13 @@ fn throughput_panel(svg: &mut String, left: f64, values: &[(String, f64, &str)])
     }
 }
 
-/// Grouped bars of p50 and p99 per offered load, on a log scale from 1 ms.
-fn latency_panel(svg: &mut String, left: f64, groups: &[(String, f64, f64)]) {
-    text(svg, left + PANEL / 2.0, 30.0, "middle", 15, "Submit to succeeded (ms, log scale)");
+/// Grouped bars of p50 and p99 per group (an offered load, or a system), on a log
+/// scale from 1 ms, under `title` and over `axis`.
+fn latency_panel(svg: &mut String, left: f64, groups: &[(String, f64, f64)], title: &str, axis: &str) {
+    text(svg, left + PANEL / 2.0, 30.0, "middle", 15, title);
     let top = groups.iter().map(|g| g.2.max(g.1)).fold(10.0, f64::max);
-    let decades = top.log10().ceil().max(1.0);
+    // Headroom above the tallest bar, for its figure below the legend.
+    let decades = (top * 2.0).log10().ceil().max(1.0);
     let y = |ms: f64| BOTTOM - (BOTTOM - TOP) * (ms.max(1.0).log10() / decades);
     for decade in 0..=decades as i32 {
         let at = y(10f64.powi(decade));
@@ -81,13 +85,35 @@ fn latency_panel(svg: &mut String, left: f64, groups: &[(String, f64, f64)]) {
             );
             text(svg, bar_x + slot * 0.18, y(value) - 4.0, "middle", 10, &format!("{value:.0}"));
         }
-        text(svg, x + slot * 0.37, BOTTOM + 16.0, "middle", 11, label);
+        for (n, part) in label.split('\n').enumerate() {
+            text(svg, x + slot * 0.37, BOTTOM + 16.0 + 14.0 * n as f64, "middle", 11, part);
+        }
     }
-    text(svg, left + PANEL / 2.0, BOTTOM + 36.0, "middle", 11, "offered load (tasks/s)");
+    text(svg, left + PANEL / 2.0, BOTTOM + 50.0, "middle", 11, axis);
     let _ = writeln!(svg, r##"<rect x="{:.1}" y="44" width="10" height="10" fill="#4e79a7"/>"##, left + PANEL - 120.0);
     text(svg, left + PANEL - 106.0, 53.0, "start", 11, "p50");
     let _ = writeln!(svg, r##"<rect x="{:.1}" y="44" width="10" height="10" fill="#e15759"/>"##, left + PANEL - 70.0);
     text(svg, left + PANEL - 56.0, 53.0, "start", 11, "p99");
+}
+
+/// The durable engines of the `peer` scenario: their key, label and colour.
+const DURABLE_PEERS: [(&str, &str, &str); 2] = [("dbos", "DBOS", "#59a14f"), ("temporal", "Temporal dev", "#b07aa1")];
+
+/// p50 and p99 from submission to the final state in the closed loop: Fenceline's
+/// one-step kind, pgqueuer's no-op job and each durable engine's one-step job.
+fn side_by_side(report: &Value) -> Vec<(String, f64, f64)> {
+    let mut groups = Vec::new();
+    let mut push = |label: &str, l: &Value| {
+        if let (Some(p50), Some(p99)) = (l["p50"].as_f64(), l["p99"].as_f64()) {
+            groups.push((label.to_owned(), p50, p99));
+        }
+    };
+    push("Fenceline\none step", &report["throughput"]["image.generate"]["median"]["latency_ms"]["submit_to_succeeded"]);
+    push("pgqueuer\nno-op", &report["peer"]["median"]["end_to_end_ms"]);
+    for (name, label, _) in DURABLE_PEERS {
+        push(&format!("{label}\none step"), &report["peer"][name]["median"]["latency_ms"]["submit_to_final_state"]);
+    }
+    groups
 }
 
 /// The chart of a report (missing scenarios leave their bars out).
@@ -107,8 +133,14 @@ pub fn draw(report: &Value) -> String {
             }
         }
     }
-    if let Some(v) = report["peer"]["median"]["sustained_per_s"].as_f64() {
+    let peer = &report["peer"];
+    if let Some(v) = peer["median"]["sustained_per_s"].as_f64() {
         bars.push(("pgqueuer\n(no-op job)".into(), v, "#f28e2b"));
+    }
+    for (name, label, colour) in DURABLE_PEERS {
+        if let Some(v) = peer[name]["median"]["sustained_per_s"].as_f64() {
+            bars.push((format!("{label}\n(one step)"), v, colour));
+        }
     }
     let mut groups = Vec::new();
     if let Some(loads) = report["loads"].as_object() {
@@ -121,6 +153,12 @@ pub fn draw(report: &Value) -> String {
             }
         }
     }
+    let (title, axis) = if groups.is_empty() {
+        groups = side_by_side(report);
+        ("Submit to final state, closed loop (ms, log)", "")
+    } else {
+        ("Submit to succeeded (ms, log scale)", "offered load (tasks/s)")
+    };
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -128,7 +166,7 @@ pub fn draw(report: &Value) -> String {
     );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
     throughput_panel(&mut svg, 20.0, &bars);
-    latency_panel(&mut svg, 500.0, &groups);
+    latency_panel(&mut svg, 500.0, &groups, title, axis);
     let machine = &report["machine"];
     text(
         &mut svg,

@@ -5,9 +5,11 @@
 //! `BENCH_OUT` (default `bench-results/<time>/`). Scenarios (`BENCH_SCENARIOS`,
 //! comma-separated, default all): `throughput`, `loads`, `executors`, `peer`,
 //! `tickets`, `backlog`, `admission`, `settings` (`BENCH_TRY` against the
-//! defaults, alternating runs). Run through `deploy/local/stack bench`; the settings are
-//! listed in docs/performance.md. `bench chart FILE.json` draws the chart of
-//! figures written before.
+//! defaults, alternating runs); `peer` runs pgqueuer and the durable engines DBOS and
+//! Temporal (`BENCH_PEERS`), and a run with it ends with every system side by side.
+//! Run through `deploy/local/stack bench`; the settings are listed in
+//! docs/performance.md. `bench chart FILE.json` draws the chart of figures written
+//! before.
 
 #![allow(clippy::print_stdout)]
 
@@ -150,6 +152,9 @@ async fn main() {
         report["took_s"] = json!(probe::round(started.elapsed().as_secs_f64(), 0));
         std::fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&report).expect("json")).expect("write");
         std::fs::write(out.join("bench.svg"), chart::draw(&report)).expect("write the chart");
+    }
+    if report["peer"].is_object() {
+        scenarios::side_by_side(&report);
     }
     println!("\nall figures: {}/bench.json, chart: {}/bench.svg", out.display(), out.display());
 }

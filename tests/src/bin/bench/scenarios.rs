@@ -688,68 +688,192 @@ pub async fn executors(settings: &Settings) -> Value {
     Value::Object(out)
 }
 
-/// The peer, pgqueuer, on the same Postgres server (a database of its own), doing
-/// the same no-op work with the same window of jobs in flight, run by
-/// tests/python/bench/pgqueuer_peer.py in the venv the stack script manages.
+/// The peers, each on the same machine in the same run, runs of each alternating
+/// so that the machine's drift touches them alike (`BENCH_PEERS`, by default all
+/// three): pgqueuer on the same Postgres server (a database of its own) doing the
+/// same no-op work with the same window of jobs in flight; and the durable execution
+/// engines a user would pick instead of Fenceline, doing its one-step job against a
+/// fake provider of their own that dedupes by `Idempotency-Key`: DBOS Transact (its
+/// system database on the same server) and Temporal's development server (SQLite).
+/// Each is run by its script under tests/python/bench/ in the venv the stack script
+/// manages. pgqueuer's figures stay at the top (`median`, `runs`), each engine's
+/// under its name.
 pub async fn peer(settings: &Settings) -> Value {
     let Ok(python) = std::env::var("FENCELINE_BENCH_PYTHON") else {
         println!("  FENCELINE_BENCH_PYTHON is not set: run through deploy/local/stack bench");
         return Value::Null;
     };
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/bench/pgqueuer_peer.py");
-    let mut runs = Vec::new();
+    let peers: Vec<String> = std::env::var("BENCH_PEERS")
+        .unwrap_or_else(|_| PEERS.join(","))
+        .split(',')
+        .map(|p| p.trim().to_owned())
+        .filter(|p| PEERS.contains(&p.as_str()))
+        .collect();
+    let mut runs: HashMap<&str, Vec<Value>> = HashMap::new();
     for run in 1..=settings.runs {
-        let dsn = fenceline_tests::fresh_database().await;
-        let child = tokio::process::Command::new(&python)
-            .arg(&script)
-            .args(["--dsn", &dsn, "--seconds", &settings.seconds.to_string()])
-            .args(["--clients", &settings.clients.min(16).to_string(), "--window", &settings.window.to_string()])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn();
-        let Ok(child) = child else {
-            println!("  {python} did not start");
-            return Value::Null;
-        };
-        let mut watched = probe::infrastructure();
-        watched.retain(|w| w.name == "postgres");
-        if let Some(pid) = child.id() {
-            watched.push(Watched {
-                name: "pgqueuer (clients and worker)".into(),
-                pid,
-                with_children: true,
-                postgres_client: true,
-            });
+        for peer in PEERS.into_iter().filter(|p| peers.iter().any(|wanted| wanted.as_str() == *p)) {
+            let figures = if peer == "pgqueuer" {
+                pgqueuer_run(&python, settings).await
+            } else {
+                durable_peer_run(&python, peer, settings).await
+            };
+            let Some(figures) = figures else { continue };
+            if peer == "pgqueuer" {
+                pgqueuer_line(run, &figures);
+            } else {
+                durable_peer_line(&format!("{peer} run {run}"), &figures);
+            }
+            runs.entry(peer).or_default().push(figures);
         }
-        let stop = tokio_util::sync::CancellationToken::new();
-        let sampler = tokio::spawn(probe::sample_until(watched, probe::postgres_port(), stop.clone()));
-        let output = child.wait_with_output().await;
-        stop.cancel();
-        let usage = sampler.await.unwrap_or_default();
-        let Ok(output) = output else { return Value::Null };
-        let text = String::from_utf8_lossy(&output.stdout);
-        let Some(mut figures) = text.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()) else {
-            println!("  pgqueuer printed no figures: {text}");
-            return Value::Null;
-        };
-        let done = figures["done"].as_u64().unwrap_or(0);
-        figures["processes"] = probe::usage_json(&usage, settings.seconds as f64, done);
-        figures["load_average"] = json!(crate::load_average());
-        println!(
-            "  pgqueuer run {run}: {:.1} jobs/s  enqueue p50/p99 {}/{} ms  end to end p50/p99/p99.9 {}/{}/{} ms  commits/job {:.2}",
-            figures["sustained_per_s"].as_f64().unwrap_or(0.0),
-            figures["enqueue_ms"]["p50"],
-            figures["enqueue_ms"]["p99"],
-            figures["end_to_end_ms"]["p50"],
-            figures["end_to_end_ms"]["p99"],
-            figures["end_to_end_ms"]["p999"],
-            figures["commits_per_job"].as_f64().unwrap_or(0.0),
-        );
-        runs.push(figures);
     }
-    let median = median_of(&runs);
-    println!("  pgqueuer median: {:.1} jobs/s", median["sustained_per_s"].as_f64().unwrap_or(0.0));
-    json!({"median": median, "runs": runs})
+    let mut out = serde_json::Map::new();
+    for peer in PEERS {
+        let Some(runs) = runs.remove(peer) else { continue };
+        let median = median_of(&runs);
+        if peer == "pgqueuer" {
+            println!("  pgqueuer median: {:.1} jobs/s", median["sustained_per_s"].as_f64().unwrap_or(0.0));
+            out.insert("median".into(), median);
+            out.insert("runs".into(), Value::Array(runs));
+        } else {
+            durable_peer_line(&format!("{peer} median"), &median);
+            out.insert(peer.to_owned(), json!({"median": median, "runs": runs}));
+        }
+    }
+    if out.is_empty() { Value::Null } else { Value::Object(out) }
+}
+
+/// The peers the `peer` scenario knows, in the order each round runs them.
+pub const PEERS: [&str; 3] = ["pgqueuer", "dbos", "temporal"];
+
+/// One run of pgqueuer on a database of its own.
+async fn pgqueuer_run(python: &str, settings: &Settings) -> Option<Value> {
+    let dsn = fenceline_tests::fresh_database().await;
+    let args = vec![
+        "--dsn".to_owned(),
+        dsn,
+        "--seconds".into(),
+        settings.seconds.to_string(),
+        "--clients".into(),
+        settings.clients.min(16).to_string(),
+        "--window".into(),
+        settings.window.to_string(),
+    ];
+    let mut watched = probe::infrastructure();
+    watched.retain(|w| w.name == "postgres");
+    peer_script(python, "pgqueuer", "pgqueuer (clients and worker)", &args, watched, settings).await
+}
+
+/// One run of a durable engine (`dbos` or `temporal`) doing the one-step job against
+/// a fake provider of its own that dedupes by `Idempotency-Key`.
+async fn durable_peer_run(python: &str, peer: &str, settings: &Settings) -> Option<Value> {
+    let port = fenceline_tests::process::free_port();
+    let provider = fenceline_tests::process::Proc::spawn(
+        &fenceline_tests::system::host_binary(),
+        &["fake-provider"],
+        &[
+            ("FENCELINE_HTTP_ADDR", format!("127.0.0.1:{port}")),
+            ("FAKE_PROVIDER_IDEMPOTENCY_KEYS", "true".into()),
+            ("RUST_LOG", "warn".into()),
+        ],
+    );
+    let mut args = vec![
+        "--provider".to_owned(),
+        format!("http://127.0.0.1:{port}"),
+        "--seconds".into(),
+        settings.seconds.to_string(),
+        "--clients".into(),
+        settings.clients.min(16).to_string(),
+        "--window".into(),
+        settings.window.to_string(),
+    ];
+    let mut watched = vec![Watched {
+        name: format!("fake-provider {peer}"),
+        pid: provider.pid(),
+        with_children: false,
+        postgres_client: false,
+    }];
+    if peer == "dbos" {
+        // Its system database: a database of its own on the benchmark's Postgres.
+        args.extend(["--dsn".to_owned(), fenceline_tests::fresh_database().await]);
+        watched.extend(probe::infrastructure().into_iter().filter(|w| w.name == "postgres"));
+    }
+    let label = if peer == "dbos" { "dbos (clients and workers)" } else { "temporal (server, clients and worker)" };
+    let figures = peer_script(python, peer, label, &args, watched, settings).await;
+    drop(provider);
+    figures
+}
+
+/// Runs tests/python/bench/<peer>_peer.py with `args`, sampling `watched` and the
+/// script's own process tree (as `label`); its figures are the last JSON line it
+/// printed, with the processes' usage per task and the load average added.
+async fn peer_script(
+    python: &str,
+    peer: &str,
+    label: &str,
+    args: &[String],
+    mut watched: Vec<Watched>,
+    settings: &Settings,
+) -> Option<Value> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("python/bench/{peer}_peer.py"));
+    let child = tokio::process::Command::new(python)
+        .arg(&script)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn();
+    let Ok(child) = child else {
+        println!("  {python} did not start");
+        return None;
+    };
+    if let Some(pid) = child.id() {
+        watched.push(Watched { name: label.into(), pid, with_children: true, postgres_client: peer != "temporal" });
+    }
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn(probe::sample_until(watched, probe::postgres_port(), stop.clone()));
+    let output = child.wait_with_output().await;
+    stop.cancel();
+    let usage = sampler.await.unwrap_or_default();
+    let output = output.ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let Some(mut figures) = text.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()) else {
+        println!("  {peer} printed no figures: {text}");
+        return None;
+    };
+    let done = figures["done"].as_u64().unwrap_or(0);
+    figures["processes"] = probe::usage_json(&usage, settings.seconds as f64, done);
+    figures["load_average"] = json!(crate::load_average());
+    Some(figures)
+}
+
+fn pgqueuer_line(run: u64, figures: &Value) {
+    println!(
+        "  pgqueuer run {run}: {:.1} jobs/s  enqueue p50/p99 {}/{} ms  end to end p50/p99/p99.9 {}/{}/{} ms  commits/job {:.2}",
+        figures["sustained_per_s"].as_f64().unwrap_or(0.0),
+        figures["enqueue_ms"]["p50"],
+        figures["enqueue_ms"]["p99"],
+        figures["end_to_end_ms"]["p50"],
+        figures["end_to_end_ms"]["p99"],
+        figures["end_to_end_ms"]["p999"],
+        figures["commits_per_job"].as_f64().unwrap_or(0.0),
+    );
+}
+
+/// A durable engine's line: tasks a second, p50/p99 from submission to the provider's
+/// call and to the final state, and the settings it ran with.
+pub fn durable_peer_line(label: &str, f: &Value) {
+    let l = &f["latency_ms"];
+    let p = |stage: &str, q: &str| l[stage][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.0}"));
+    println!(
+        "  {label:<16} {:>6.1} tasks/s  submit to provider call p50/p99 {}/{} ms  to final state p50/p99 {}/{} ms  \
+         unfinished {:.0}  [{}]",
+        f["sustained_per_s"].as_f64().unwrap_or(0.0),
+        p("submit_to_provider_call", "p50"),
+        p("submit_to_provider_call", "p99"),
+        p("submit_to_final_state", "p50"),
+        p("submit_to_final_state", "p99"),
+        f["unfinished"].as_f64().unwrap_or(0.0),
+        f["settings"].as_str().unwrap_or("?"),
+    );
 }
 
 /// 30 support tickets through the three-step kind against a provider that lets 2
@@ -1133,4 +1257,42 @@ pub async fn admission(settings: &Settings) -> Value {
     let median = median_of(&runs);
     println!("  median: {median}");
     json!({"median": median, "runs": runs})
+}
+
+/// Fenceline's one-step kind and every peer as this run measured them (medians), one
+/// line each: tasks a second, and p50/p99 from submission to the provider's call and
+/// to the final state.
+pub fn side_by_side(report: &Value) {
+    println!("\n== side by side: medians of this run (load average now {})", crate::load_average());
+    let fenceline = &report["throughput"][ONE_STEP]["median"];
+    if let Some(rate) = fenceline["throughput_per_s"].as_f64() {
+        let l = &fenceline["latency_ms"];
+        let p = |stage: &str, q: &str| l[stage][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.0}"));
+        println!(
+            "  fenceline        {rate:>6.1} tasks/s  submit to provider call p50/p99 {}/{} ms  to final state p50/p99 \
+             {}/{} ms  unfinished {:.0}  [Fenceline, 1 executor, {} tasks in flight]",
+            p("submit_to_provider_call", "p50"),
+            p("submit_to_provider_call", "p99"),
+            p("submit_to_succeeded", "p50"),
+            p("submit_to_succeeded", "p99"),
+            fenceline["unfinished"].as_f64().unwrap_or(0.0),
+            report["settings"]["BENCH_WINDOW"],
+        );
+    }
+    let peer = &report["peer"];
+    if let Some(rate) = peer["median"]["sustained_per_s"].as_f64() {
+        let l = &peer["median"]["end_to_end_ms"];
+        let p = |q: &str| l[q].as_f64().map_or("-".to_owned(), |v| format!("{v:.0}"));
+        println!(
+            "  pgqueuer         {rate:>6.1} jobs/s   no provider call (a no-op job)  to done p50/p99 {}/{} ms  \
+             [pgqueuer 1.6.0, one worker process]",
+            p("p50"),
+            p("p99"),
+        );
+    }
+    for name in PEERS.into_iter().skip(1) {
+        if peer[name]["median"].is_object() {
+            durable_peer_line(name, &peer[name]["median"]);
+        }
+    }
 }

@@ -19,7 +19,6 @@ use fenceline_config::catalog::{Catalog, StepSpec};
 use fenceline_domain::calls::{
     Backoff, CallOutcome, CallStage, NextMove, after_outcome, key_forgotten, key_remembered, operation_key,
 };
-use fenceline_domain::ids::TaskId;
 use fenceline_domain::spend::{self, Amount};
 use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{
@@ -33,6 +32,7 @@ use tracing::{info, warn};
 
 use crate::ExecutorSettings;
 use crate::lease::{LEASE_MARGIN, Lease, Stop, jitter};
+use crate::output::{StepResult, hex_sha, shown_output, step_output};
 use crate::record::{Checkpoint, NewKey, Recorder, Status, Transition};
 
 /// The longest wait between two polls or two sends of one call, whatever the backoff says.
@@ -560,42 +560,6 @@ pub(crate) struct Charged<'a> {
     cost: Option<Amount>,
 }
 
-/// A step's verified result: its reference (the attempt's result when it is the
-/// last step) and its output, what later steps see as `steps.<name>`.
-#[derive(Debug, Clone)]
-pub(crate) struct StepResult {
-    pub artifact: ArtifactRef,
-    pub output: serde_json::Value,
-}
-
-/// The reference and the output of a verified result. An artifact's output is its
-/// reference; an inline result's (a dialect's JSON value) is the value, referred
-/// to as `inline:<task>/<generation>/<step>` with the sha256 and size of its
-/// canonical JSON text.
-fn step_output(
-    task_id: fenceline_domain::ids::TaskId,
-    generation: i32,
-    step: &str,
-    result: ProviderResult,
-) -> (ArtifactRef, serde_json::Value) {
-    match result.inline {
-        Some(value) => {
-            let uri = inline_uri(task_id, generation, step);
-            (ArtifactRef { uri, sha256: result.sha256, size_bytes: result.size_bytes }, value)
-        }
-        None => {
-            let artifact = ArtifactRef { uri: result.uri, sha256: result.sha256, size_bytes: result.size_bytes };
-            let output = serde_json::to_value(&artifact).unwrap_or_default();
-            (artifact, output)
-        }
-    }
-}
-
-/// The reference of an inline result checkpointed by `generation` of the task.
-pub(crate) fn inline_uri(task_id: fenceline_domain::ids::TaskId, generation: i32, step: &str) -> String {
-    format!("{}{task_id}/{generation}/{step}", fenceline_providers::dialect::INLINE_URI_SCHEME)
-}
-
 /// One call in progress: what a retry of the same request needs.
 struct Call<'a> {
     step: &'a str,
@@ -620,22 +584,6 @@ async fn pause(lease: &Lease, wait: Duration) -> Result<(), Stop> {
     }
 }
 
-/// The most bytes of a step's output that travel with its checkpoint for intake
-/// to show; a larger output travels without it (intake shows its reference).
-const OUTPUT_SHOWN_BYTES: usize = 256 * 1024;
-
-/// A step's output as the checkpoint announces it: its canonical JSON text, if
-/// it is not too large for a record.
-fn shown_output(output: &serde_json::Value) -> Option<String> {
-    let text = fenceline_providers::dialect::canonical_json(output);
-    (text.len() <= OUTPUT_SHOWN_BYTES).then_some(text)
-}
-
-fn hex_sha(value: &serde_json::Value) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(Sha256::digest(value.to_string().as_bytes()))
-}
-
 /// An outcome in words, with what the transport said when it failed.
 fn describe(outcome: &CallOutcome, detail: Option<&str>) -> String {
     let said = match outcome {
@@ -654,29 +602,6 @@ fn describe(outcome: &CallOutcome, detail: Option<&str>) -> String {
     }
 }
 
-/// The result of a call step checkpointed earlier: an artifact's reference is its
-/// output; any other output is an inline result, referred to by where it was
-/// checkpointed and hashed as it was (its canonical JSON text).
-pub(crate) fn checkpointed_result(
-    task_id: TaskId,
-    generation: i32,
-    step: &str,
-    output: &serde_json::Value,
-) -> ArtifactRef {
-    if let Ok(artifact) = serde_json::from_value::<ArtifactRef>(output.clone()) {
-        return artifact;
-    }
-    let text = fenceline_providers::dialect::canonical_json(output);
-    ArtifactRef {
-        uri: crate::call::inline_uri(task_id, generation, step),
-        sha256: {
-            use sha2::{Digest, Sha256};
-            hex::encode(Sha256::digest(text.as_bytes()))
-        },
-        size_bytes: i64::try_from(text.len()).unwrap_or(i64::MAX),
-    }
-}
-
 /// The attempt's success, with the result of its last step.
 pub(crate) fn succeeded(lease: &Lease, result: ArtifactRef) -> Event {
     Event::AttemptSucceeded(AttemptSucceeded {
@@ -686,34 +611,4 @@ pub(crate) fn succeeded(lease: &Lease, result: ArtifactRef) -> Event {
         result,
         finished_at: crate::clock::now(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use fenceline_domain::ids::TaskId;
-
-    #[test]
-    fn an_inline_result_is_the_steps_output_and_is_referred_to_where_it_was_checkpointed() {
-        let task = TaskId::from_uuid(uuid::Uuid::from_u128(7));
-        let message = serde_json::json!({"role": "assistant", "content": "Hi"});
-        let result = fenceline_providers::dialect::inline_result(&message, 1024).expect("within the limit");
-        let (artifact, output) = step_output(task, 2, "draft", result.clone());
-        assert_eq!(output, message, "later steps see the value itself");
-        assert_eq!(artifact.uri, format!("inline:{task}/2/draft"));
-        assert_eq!((artifact.sha256.as_str(), artifact.size_bytes), (result.sha256.as_str(), result.size_bytes));
-        // Read back from its checkpoint, it is the same reference.
-        assert_eq!(super::checkpointed_result(task, 2, "draft", &output), artifact);
-        // An artifact's output is its reference, as before.
-        let file = ProviderResult {
-            uri: "http://p/a".into(),
-            sha256: "ab".into(),
-            size_bytes: 3,
-            inline: None,
-            usage: Default::default(),
-        };
-        let (artifact, output) = step_output(task, 0, "render", file);
-        assert_eq!(output, serde_json::json!({"uri": "http://p/a", "sha256": "ab", "size_bytes": 3}));
-        assert_eq!(super::checkpointed_result(task, 0, "render", &output), artifact);
-    }
 }

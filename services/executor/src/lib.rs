@@ -4,6 +4,7 @@ mod call;
 mod clock;
 pub mod grants;
 mod lease;
+mod output;
 mod record;
 pub mod retention;
 pub mod worker;

@@ -30,8 +30,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
-use crate::call::{Calls, Ends, checkpointed_result, succeeded};
+use crate::call::{Calls, Ends, succeeded};
 use crate::lease::{DB_NOW_US, Lease, Stop};
+use crate::output::checkpointed_result;
 use crate::record::{Status, Transition, released};
 
 /// One claimed execution, as the claim returned it.

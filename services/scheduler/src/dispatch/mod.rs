@@ -47,7 +47,7 @@ pub struct Dispatcher {
 }
 
 /// What one try to grant a head came to, for the round's loop.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 enum Tried {
     Granted(Granted),
     HeldBack(HeldBack),
@@ -62,12 +62,6 @@ struct Granted {
     attempt: u32,
     grant_id: GrantId,
     provider: String,
-}
-
-impl PartialEq for Granted {
-    fn eq(&self, other: &Self) -> bool {
-        self.grant_id == other.grant_id
-    }
 }
 
 /// What a round leaves to do once it committed.

@@ -202,8 +202,8 @@ impl Recorder {
         let sent = tokio::time::Instant::now();
         let rows =
             events.iter().map(|event| self.outbox.row(topics::ATTEMPTS, event)).collect::<Result<Vec<_>, _>>()?;
-        let statement = fenced_statement(t, rows.len());
-        let query = fenceline_bus::OutboxRow::bind_rows(rows, self.bind_fenced(sqlx::query(&statement), lease, t));
+        let statement = fenced_statement(t);
+        let query = self.bind_fenced(sqlx::query(&statement), lease, t).bind(rows);
         let (cancel_requested, granted_us, seq) = match t.new_key {
             None => fenced(query.fetch_optional(&self.pool).await?)?,
             Some(new_key) => {
@@ -225,7 +225,7 @@ impl Recorder {
         Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
     }
 
-    /// Binds the parameters of [`fenced_statement`] but the outbox row's.
+    /// Binds the parameters of [`fenced_statement`] but the outbox rows (`$18`).
     fn bind_fenced<'q>(
         &self,
         query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
@@ -417,11 +417,11 @@ async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> 
 
 /// The fenced write of `t` as one statement: the conditional update on the fencing
 /// token and phase, then, guarded by it, the step's call `seq`, the checkpoint and
-/// the `events` outbox rows under their key lock. Only the tables the transition
+/// the outbox rows bound to `$18` (`outbox_append`). Only the tables the transition
 /// writes are named, so a statement locks no table it does not write; each shape
 /// is one prepared statement. Returns the cancel flag, the lease granted (when
 /// renewing) and the `seq`.
-fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
+fn fenced_statement(t: &Transition<'_>) -> String {
     let sequence = match t.sequence_of {
         Some(_) => {
             ", step_seq AS ( \
@@ -449,7 +449,6 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
     } else {
         ""
     };
-    let outbox = fenceline_bus::OutboxRow::rows_inserted_after("written", 18, events);
     let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
     format!(
         "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \
@@ -461,8 +460,8 @@ fn fenced_statement(t: &Transition<'_>, events: usize) -> String {
              FROM clock \
              WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND {STILL_RUNNING} \
              RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
-         {sequence}{checkpoint}{sent}{outbox} \
-         SELECT written.cancel_requested, written.granted_us, {seq} FROM written"
+         {sequence}{checkpoint}{sent} \
+         SELECT written.cancel_requested, written.granted_us, {seq}, outbox_append($18::outbox_entry[]) FROM written"
     )
 }
 

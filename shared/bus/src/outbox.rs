@@ -36,22 +36,6 @@ const SHARD_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock(hashtextextended(curre
      || s::text, 0)) FROM unnest($1::int[]) AS s";
 /// Marks a batch of rows, by id, published.
 const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = ANY($1)";
-/// The outbox's columns, in the order rows bind them ([`OutboxRow::bind`]). Writers
-/// take a transaction lock on the record key ([`OutboxRow::inserted_after`]), so
-/// that rows of one key get ids in the order their transactions commit; scoped to
-/// the schema like the shard locks, so that a batch of one service never waits on
-/// another's writers.
-const OUTBOX_COLUMNS: &str = "shard, topic, record_key, payload, event_id, event_type, schema_fingerprint, producer, produced_at_us, traceparent";
-/// The SQL types of [`OUTBOX_COLUMNS`], in order, for rows bound as arrays.
-const OUTBOX_COLUMN_TYPES: [&str; OutboxRow::PARAMETERS] =
-    ["int2", "text", "bytea", "bytea", "uuid", "text", "text", "text", "int8", "text"];
-
-/// The transaction lock on an outbox record key (`key`: an SQL expression), scoped
-/// to the schema.
-fn key_lock(key: &str) -> String {
-    format!("pg_advisory_xact_lock(hashtextextended(current_schema() || ':outbox-key:' || encode({key}, 'escape'), 0))")
-}
-
 /// The `event_type` header of a tombstone. Do not change: dashboards may match it
 /// (docs/wire.md, "Tombstones on fenceline.status").
 pub const TOMBSTONE: &str = "Tombstone";
@@ -105,14 +89,14 @@ impl OutboxWriter {
         traceparent: Option<String>,
     ) -> Result<EventId, Error> {
         let row = self.row_in_trace(topic, key, event, traceparent)?;
-        let event_id = row.event_id;
-        row.insert(conn).await?;
+        let event_id = row.event_id();
+        OutboxRow::insert_all(vec![row], conn).await?;
         Ok(event_id)
     }
 
     /// `event` encoded as the row that carries it, keyed as [`OutboxWriter::append`]
-    /// keys it, in the current span's trace: for a writer that inserts it within a
-    /// statement of its own ([`OutboxRow::inserted_after`]).
+    /// keys it, in the current span's trace: for a writer that appends it within a
+    /// statement of its own ([`OutboxRow`]).
     pub fn row(&self, topic: &str, event: &Event) -> Result<OutboxRow, Error> {
         self.row_in_trace(topic, None, event, fenceline_telemetry::current_traceparent())
     }
@@ -131,13 +115,13 @@ impl OutboxWriter {
         Ok(OutboxRow {
             shard: i16::try_from(shard).unwrap_or(i16::MAX),
             topic: self.topic(topic),
-            key,
+            record_key: key,
             payload: Some(payload),
-            event_id: EventId::new_v7(),
+            event_id: EventId::new_v7().as_uuid(),
             event_type: event.event_type().to_owned(),
             schema_fingerprint: hex::encode(fingerprint),
-            producer: self.producer,
-            produced_at: Timestamp::now(),
+            producer: self.producer.to_owned(),
+            produced_at_us: Timestamp::now().0,
             traceparent,
         })
     }
@@ -150,17 +134,17 @@ impl OutboxWriter {
         let row = OutboxRow {
             shard: i16::try_from(shard_for_key(key, self.shards)).unwrap_or(i16::MAX),
             topic: self.topic(topic),
-            key: Some(key.to_vec()),
+            record_key: Some(key.to_vec()),
             payload: None,
-            event_id: EventId::new_v7(),
+            event_id: EventId::new_v7().as_uuid(),
             event_type: TOMBSTONE.to_owned(),
             schema_fingerprint: String::new(),
-            producer: self.producer,
-            produced_at: Timestamp::now(),
+            producer: self.producer.to_owned(),
+            produced_at_us: Timestamp::now().0,
             traceparent: fenceline_telemetry::current_traceparent(),
         };
-        let event_id = row.event_id;
-        row.insert(conn).await?;
+        let event_id = row.event_id();
+        OutboxRow::insert_all(vec![row], conn).await?;
         Ok(event_id)
     }
 
@@ -170,183 +154,50 @@ impl OutboxWriter {
     }
 }
 
-/// An event encoded as the outbox row that carries it ([`OutboxWriter::row`]).
-#[derive(Debug, Clone)]
+/// An event encoded as the outbox row that carries it ([`OutboxWriter::row`]). A
+/// statement binds a `Vec<OutboxRow>` as one parameter and passes it to the schema's
+/// `outbox_append($n::outbox_entry[])` (`shared/bus/migrations/0004_outbox_append.sql`),
+/// which takes each key's transaction lock before drawing the first id, so rows of
+/// one key get ids in commit order.
+#[derive(Debug, Clone, sqlx::Type)]
+#[sqlx(type_name = "outbox_entry")]
 pub struct OutboxRow {
     shard: i16,
     topic: String,
-    key: Option<Vec<u8>>,
+    record_key: Option<Vec<u8>>,
     /// `None` for a tombstone.
     payload: Option<Vec<u8>>,
-    event_id: EventId,
+    event_id: uuid::Uuid,
     event_type: String,
     schema_fingerprint: String,
-    producer: &'static str,
-    produced_at: Timestamp,
+    producer: String,
+    produced_at_us: i64,
     traceparent: Option<String>,
 }
 
+/// The statement that appends the rows bound to `$1` ([`OutboxRow::insert_all`]).
+const APPEND: &str = "SELECT outbox_append($1::outbox_entry[])";
+
 impl OutboxRow {
-    /// How many parameters [`OutboxRow::bind`] binds.
-    pub const PARAMETERS: usize = 10;
-
-    /// Common table expressions (without the leading `WITH`) that take the row's key
-    /// lock and insert the row once for each row `guard` yields (a `FROM` item:
-    /// another CTE's name, whose zero rows insert nothing), with the row's
-    /// parameters numbered from `$first`. The lock is taken before the row's id is
-    /// drawn, so rows of one key get ids in commit order ([`OutboxWriter::append`]).
-    pub fn inserted_after(guard: &str, first: usize) -> String {
-        let p: Vec<String> = (first..first + Self::PARAMETERS).map(|n| format!("${n}")).collect();
-        format!(
-            "outbox_key_lock AS MATERIALIZED (SELECT 1 AS held FROM {guard}, {lock}), \
-             outbox_row AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) SELECT {values} FROM outbox_key_lock)",
-            lock = key_lock(&p[2]),
-            values = p.join(", "),
-        )
+    /// The event id the row carries.
+    pub fn event_id(&self) -> EventId {
+        EventId::from_uuid(self.event_id)
     }
 
-    /// The parameter that holds the row's `traceparent` in the statement of
-    /// [`OutboxRow::inserted_after`] with `first`: a statement that stores the trace
-    /// beside the row (the task it starts) reads it from there.
-    pub fn traceparent_parameter(first: usize) -> String {
-        format!("${}", first + Self::PARAMETERS - 1)
+    /// The trace the row's record carries (W3C `traceparent`): a statement that
+    /// stores the trace beside the row (the task it starts) binds it from here.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.traceparent.as_deref()
     }
 
-    /// Binds the row's parameters, in [`OUTBOX_COLUMNS`] order, after those `query` has.
-    pub fn bind<'q>(
-        self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        query
-            .bind(self.shard)
-            .bind(self.topic)
-            .bind(self.key)
-            .bind(self.payload)
-            .bind(self.event_id.as_uuid())
-            .bind(self.event_type)
-            .bind(self.schema_fingerprint)
-            .bind(self.producer)
-            .bind(self.produced_at.0)
-            .bind(self.traceparent)
-    }
-
-    /// As [`OutboxRow::inserted_after`] for several rows, bound as arrays from
-    /// `$first` by [`OutboxRow::bind_all`], inserted in the order given. Every key
-    /// lock is taken, in key order, before the first row's id is drawn, so the rows
-    /// wait for an earlier writer of any of their keys and still follow each key's
-    /// earlier rows.
-    pub fn all_inserted_after(guard: &str, first: usize) -> String {
-        let arrays: Vec<String> =
-            OUTBOX_COLUMN_TYPES.iter().zip(first..).map(|(sql_type, n)| format!("${n}::{sql_type}[]")).collect();
-        format!(
-            "outbox_given AS MATERIALIZED (SELECT g.* FROM {guard}, unnest({arrays}) WITH ORDINALITY \
-             AS g ({OUTBOX_COLUMNS}, n)), \
-             outbox_key_lock AS MATERIALIZED (SELECT count({lock}) AS held FROM (SELECT DISTINCT record_key \
-             FROM outbox_given WHERE record_key IS NOT NULL ORDER BY record_key) AS keys), \
-             outbox_rows AS (INSERT INTO outbox ({OUTBOX_COLUMNS}) \
-             SELECT {OUTBOX_COLUMNS} FROM outbox_given, outbox_key_lock ORDER BY n)",
-            arrays = arrays.join(", "),
-            lock = key_lock("record_key"),
-        )
-    }
-
-    /// What inserts `count` rows after `guard` ([`OutboxRow::inserted_after`] for
-    /// one, [`OutboxRow::all_inserted_after`] for more), as `, `-led common table
-    /// expressions; nothing for none. [`OutboxRow::bind_rows`] binds them.
-    pub fn rows_inserted_after(guard: &str, first: usize, count: usize) -> String {
-        match count {
-            0 => String::new(),
-            1 => format!(", {}", Self::inserted_after(guard, first)),
-            _ => format!(", {}", Self::all_inserted_after(guard, first)),
+    /// Appends `rows` with one statement, in the order given, each under its key's
+    /// lock.
+    pub async fn insert_all(rows: Vec<OutboxRow>, conn: &mut PgConnection) -> Result<(), Error> {
+        if rows.is_empty() {
+            return Ok(());
         }
-    }
-
-    /// Binds `rows` as [`OutboxRow::rows_inserted_after`] numbered them.
-    pub fn bind_rows<'q>(
-        mut rows: Vec<OutboxRow>,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        match rows.len() {
-            0 => query,
-            1 => rows.remove(0).bind(query),
-            _ => Self::bind_all(rows, query),
-        }
-    }
-
-    /// Binds `rows` as the arrays of [`OutboxRow::all_inserted_after`], after the
-    /// parameters `query` has.
-    pub fn bind_all<'q>(
-        rows: Vec<OutboxRow>,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        let mut columns = OutboxColumns::default();
-        for row in rows {
-            columns.push(row);
-        }
-        query
-            .bind(columns.shard)
-            .bind(columns.topic)
-            .bind(columns.key)
-            .bind(columns.payload)
-            .bind(columns.event_id)
-            .bind(columns.event_type)
-            .bind(columns.schema_fingerprint)
-            .bind(columns.producer)
-            .bind(columns.produced_at_us)
-            .bind(columns.traceparent)
-    }
-
-    /// Inserts `rows` with one statement, in the order given, each under its key's
-    /// lock ([`OutboxRow::all_inserted_after`]).
-    pub async fn insert_all(mut rows: Vec<OutboxRow>, conn: &mut PgConnection) -> Result<(), Error> {
-        match rows.len() {
-            0 => return Ok(()),
-            1 => return rows.remove(0).insert(conn).await,
-            _ => {}
-        }
-        let statement = format!("WITH {} SELECT 1", Self::all_inserted_after("(SELECT 1) AS always", 1));
-        Self::bind_all(rows, sqlx::query(&statement)).execute(&mut *conn).await?;
+        sqlx::query(APPEND).bind(rows).execute(&mut *conn).await?;
         Ok(())
-    }
-
-    /// Inserts the row in a statement of its own, under its key's lock if it has a key.
-    async fn insert(self, conn: &mut PgConnection) -> Result<(), Error> {
-        let statement = match self.key {
-            Some(_) => format!("WITH {} SELECT 1", Self::inserted_after("(SELECT 1) AS always", 1)),
-            None => format!("INSERT INTO outbox ({OUTBOX_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
-        };
-        self.bind(sqlx::query(&statement)).execute(&mut *conn).await?;
-        Ok(())
-    }
-}
-
-/// Outbox rows column by column, as `unnest` takes them ([`OutboxRow::insert_all`]).
-#[derive(Default)]
-struct OutboxColumns {
-    shard: Vec<i16>,
-    topic: Vec<String>,
-    key: Vec<Option<Vec<u8>>>,
-    payload: Vec<Option<Vec<u8>>>,
-    event_id: Vec<uuid::Uuid>,
-    event_type: Vec<String>,
-    schema_fingerprint: Vec<String>,
-    producer: Vec<&'static str>,
-    produced_at_us: Vec<i64>,
-    traceparent: Vec<Option<String>>,
-}
-
-impl OutboxColumns {
-    fn push(&mut self, row: OutboxRow) {
-        self.shard.push(row.shard);
-        self.topic.push(row.topic);
-        self.key.push(row.key);
-        self.payload.push(row.payload);
-        self.event_id.push(row.event_id.as_uuid());
-        self.event_type.push(row.event_type);
-        self.schema_fingerprint.push(row.schema_fingerprint);
-        self.producer.push(row.producer);
-        self.produced_at_us.push(row.produced_at.0);
-        self.traceparent.push(row.traceparent);
     }
 }
 

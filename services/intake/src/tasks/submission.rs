@@ -232,6 +232,7 @@ pub async fn submit_in(
         accepted_at: Timestamp::from(accepted_at),
     });
     let row = outbox.row(topics::TASKS, &event)?;
+    let traceparent = row.traceparent().map(str::to_owned);
     // The source is the key's namespace: keys of different sources never meet.
     let statement = format!(
         "WITH claimed_key AS ( \
@@ -241,10 +242,9 @@ pub async fn submit_in(
            INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, \
              accepted_at, traceparent) \
            SELECT task_id, tenant, $6::text, $7::jsonb, $8::text, $9::timestamptz, $10::timestamptz, $11::jsonb, \
-             $2::text, $12::timestamptz, {traceparent}::text FROM claimed_key RETURNING task_id, tenant), \
-         {outbox}, {marked} SELECT count(*) FROM marked",
-        traceparent = fenceline_bus::OutboxRow::traceparent_parameter(13),
-        outbox = fenceline_bus::OutboxRow::inserted_after("accepted", 13),
+             $2::text, $12::timestamptz, $13::text FROM claimed_key RETURNING task_id, tenant), \
+         appended AS MATERIALIZED (SELECT outbox_append($14::outbox_entry[]) AS rows FROM accepted), \
+         {marked} SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM appended)",
         marked = crate::live::marked_from("accepted"),
     );
     let query = sqlx::query(&statement)
@@ -259,8 +259,10 @@ pub async fn submit_in(
         .bind(task.deadline)
         .bind(task.not_before)
         .bind(sqlx::types::Json(&task.labels))
-        .bind(accepted_at);
-    let created: i64 = sqlx::Row::try_get(&row.bind(query).fetch_one(&mut *conn).await?, 0)?;
+        .bind(accepted_at)
+        .bind(traceparent)
+        .bind(vec![row]);
+    let created: i64 = sqlx::Row::try_get(&query.fetch_one(&mut *conn).await?, 0)?;
     if created == 0 {
         let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
             "SELECT fingerprint, task_id FROM idempotency_keys \

@@ -42,10 +42,6 @@ impl From<fenceline_bus::faults::Injected> for Stop {
 /// this host's monotonic clock from the database's over one lease.
 pub(crate) const LEASE_MARGIN: Duration = Duration::from_millis(200);
 
-/// The database's clock, in micros since the epoch: the one clock leases use.
-/// Do not change: every lease expiry is written and compared in these units.
-pub(crate) const DB_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
-
 /// `status = 'running'`, written so that the planner cannot match it to the
 /// partial index `executions_claimable` (ready and running executions): a write
 /// that names its execution by grant id must find it through the primary key.
@@ -129,7 +125,7 @@ pub(crate) async fn renew(pool: &PgPool, lease_ms: u64, lease: &Lease) -> Result
     let lease_us = i64::try_from(lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
     let sent = Instant::now();
     let granted: Option<i64> = sqlx::query_scalar(&format!(
-        "WITH clock AS (SELECT {DB_NOW_US} AS now_us) \
+        "WITH clock AS (SELECT now_us() AS now_us) \
          UPDATE executions SET lease_expires_at_us = clock.now_us + $3 FROM clock \
          WHERE grant_id = $1 AND fencing_token = $2 AND {STILL_RUNNING} \
          RETURNING lease_expires_at_us - clock.now_us"

@@ -382,7 +382,7 @@ pub(crate) async fn key_first_sent(
     key: &str,
 ) -> Result<(Option<i64>, i64), sqlx::Error> {
     sqlx::query_as(
-        "SELECT min(sent_key_first_at_us), (extract(epoch FROM clock_timestamp()) * 1000000)::bigint \
+        "SELECT min(sent_key_first_at_us), now_us() \
          FROM call_sequences WHERE task_id = $1 AND step = $2 AND sent_key = $3",
     )
     .bind(lease.task_id.as_uuid())
@@ -451,7 +451,7 @@ fn fenced_statement(t: &Transition<'_>) -> String {
     };
     let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
     format!(
-        "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us), \
+        "WITH clock AS (SELECT now_us() AS now_us), \
          written AS ( \
              UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
                  step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \

@@ -8,7 +8,7 @@
 //! direction: workers use calls, calls use the recorder, and all of them hold
 //! leases ([`crate::lease`]).
 //!
-//! Leases are judged by one clock. The database's (`clock_timestamp()`) sets and
+//! Leases are judged by one clock. The database's (`now_us()`, its migration 0105) sets and
 //! compares every expiry, in the statement that claims or renews; a worker knows
 //! how long its own lease holds from the monotonic instant it sent the renewal plus
 //! the length the database granted, minus [`crate::lease::LEASE_MARGIN`]. No host's wall clock
@@ -31,7 +31,7 @@ use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
 use crate::call::{Calls, Ends, succeeded};
-use crate::lease::{DB_NOW_US, Lease, Stop};
+use crate::lease::{Lease, Stop};
 use crate::output::checkpointed_result;
 use crate::record::{Status, Transition, released};
 
@@ -176,7 +176,7 @@ impl Workers {
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
         let statement = format!(
-            "WITH clock AS (SELECT {DB_NOW_US} AS now_us), next AS ({next}) \
+            "WITH clock AS (SELECT now_us() AS now_us), next AS ({next}) \
              UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $1, \
                  lease_expires_at_us = clock.now_us + $2, takeover = (e.status = 'running'), status = 'running', \
                  first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us), \

@@ -218,7 +218,7 @@ impl Reconciler {
     /// while (its next ask moves 30 s on), so that it is asked outside a transaction.
     async fn claim_due(&self, full: &[String]) -> Result<Option<AskRow>, fenceline_bus::Error> {
         let case: Option<AskRow> = sqlx::query_as(
-            "WITH clock AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us) \
+            "WITH clock AS (SELECT now_us() AS now_us) \
              UPDATE cases SET next_ask_at_us = clock.now_us + 30000000 FROM clock WHERE case_id = ( \
                  SELECT case_id FROM cases, clock WHERE state = 'asking' AND next_ask_at_us <= clock.now_us \
                  AND NOT (coalesce(provider, '') = ANY($1)) \
@@ -359,7 +359,7 @@ impl Reconciler {
             (AfterLookup::AskAgainIn(wait), _) => {
                 sqlx::query(
                     "UPDATE cases SET asked = asked + 1, \
-                     next_ask_at_us = (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + $2, \
+                     next_ask_at_us = now_us() + $2, \
                      evidence = evidence || $3, received = received OR $4 \
                      WHERE case_id = $1 AND state = 'asking'",
                 )

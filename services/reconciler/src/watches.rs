@@ -167,7 +167,7 @@ impl Watches {
     async fn open_case(&self, tx: &mut PgConnection, outbox: &OutboxWriter, lost: LostCall) -> Result<(), HandleError> {
         type GrantRow = (String, Option<i64>, String, i64);
         let grant: Option<GrantRow> = sqlx::query_as(
-            "SELECT kind, deadline_us, provider, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint \
+            "SELECT kind, deadline_us, provider, now_us() \
              FROM grants WHERE task_id = $1 AND attempt = $2",
         )
         .bind(lost.task_id.as_uuid())

@@ -37,7 +37,7 @@ async fn claimed_twice(pool: &PgPool) -> (GrantId, TaskId) {
         "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, provider, \
          lease_budget_ms, status, fencing_token, worker, lease_expires_at_us, phase, phase_at_us) \
          VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'imagegen', 60000, 'running', 2, 'second', \
-         (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + 15000000, 'claimed', 0)",
+         now_us() + 15000000, 'claimed', 0)",
     )
     .bind(grant_id.as_uuid())
     .bind(task_id.as_uuid())

@@ -49,7 +49,7 @@ pub struct ProviderSpec {
     pub burst: f64,
     /// Status codes this provider uses its own way, mapped to an error class.
     #[serde(default)]
-    pub status_overrides: HashMap<u16, String>,
+    pub status_overrides: HashMap<u16, ErrorClass>,
     /// 5xx statuses this provider answers, with its problem body, only when it did
     /// no work (default: none, so every 5xx may have done the work and is
     /// ambiguous). 502 and 504 are a gateway's and can never be declared safe.
@@ -280,7 +280,7 @@ impl ProviderSpec {
                 overrides.extend(list.iter().map(|status| (*status, class)));
             }
         }
-        overrides.extend(self.status_overrides.iter().filter_map(|(code, class)| Some((*code, class.parse().ok()?))));
+        overrides.extend(self.status_overrides.iter().map(|(code, class)| (*code, *class)));
         overrides
     }
 
@@ -355,7 +355,8 @@ impl Catalog {
     /// "nothing done", and timeouts nest (one call is shorter than the attempt
     /// that makes it).
     pub fn parse(text: &str) -> Result<Self, Error> {
-        let catalog: Catalog = serde_json::from_str(text).map_err(|e| Error(format!("catalogue: {e}")))?;
+        let catalog: Catalog = serde_json::from_str(text)
+            .map_err(|e| Error(provider_refused(text).unwrap_or_else(|| format!("catalogue: {e}"))))?;
         for (name, provider) in &catalog.providers {
             for status in &provider.safe_5xx {
                 if !(500..=599).contains(status) || GATEWAY_STATUSES.contains(status) {
@@ -364,9 +365,6 @@ impl Catalog {
                          answers after it forwarded the request), not {status}"
                     )));
                 }
-            }
-            for class in provider.status_overrides.values() {
-                class.parse::<ErrorClass>().map_err(|e| Error(format!("provider `{name}`: {e}")))?;
             }
             for (status, class) in &provider.overrides() {
                 let class = *class;
@@ -559,6 +557,16 @@ fn check_standing_decision(catalog: &Catalog, kind: &str, step: &StepSpec) -> Re
     Ok(())
 }
 
+/// Which provider entry of a catalogue that does not parse is wrong, and why: a
+/// whole catalogue's parse error names only a line and a column.
+fn provider_refused(text: &str) -> Option<String> {
+    let whole: serde_json::Value = serde_json::from_str(text).ok()?;
+    whole.get("providers")?.as_object()?.iter().find_map(|(name, entry)| {
+        let refused = serde_json::from_value::<ProviderSpec>(entry.clone()).err()?;
+        Some(format!("catalogue: provider `{name}`: {refused}"))
+    })
+}
+
 /// Where the catalogue file is.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CatalogConfig {
@@ -654,7 +662,7 @@ mod tests {
         let cases = [
             (GOOD.replace("\"provider\": \"img\"}]", "\"provider\": \"nope\"}]"), "no provider `nope`"),
             (GOOD.replace("\"attempt_budget_ms\": 5000}}", "\"attempt_budget_ms\": 500}}"), "must be shorter"),
-            (GOOD.replace("\"ambiguous\"", "\"maybe\""), "not a known error class"),
+            (GOOD.replace("\"ambiguous\"", "\"maybe\""), "provider `img`: `maybe` is not a known error class"),
             (GOOD.replace("\"concurrency\": 2", "\"concurrency\": 0"), "must be positive"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"colour\": 1,"), "unknown field"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"safe_5xx\": [504],"), "not 504"),

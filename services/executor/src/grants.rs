@@ -137,3 +137,6 @@ impl Handler for GrantRecorder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,110 @@
+//! The grant recorder against a schema of its own in the test Postgres: a grant
+//! re-issued with the same id makes no second execution and is handed to the
+//! workers once, and a cancellation marks only its own execution.
+
+use fenceline_domain::ids::{EventId, GrantId, TaskId};
+use fenceline_events::{AttemptGranted, CancelAttempt, Envelope, Headers, Timestamp};
+use sqlx::PgPool;
+
+use super::*;
+
+async fn fresh_schema() -> PgPool {
+    fenceline_store::fresh_test_schema("executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool
+}
+
+fn granted(grant_id: GrantId, input_json: &str) -> Event {
+    Event::AttemptGranted(AttemptGranted {
+        grant_id,
+        task_id: TaskId::new_v7(),
+        tenant: "acme".into(),
+        attempt: 1,
+        generation: 0,
+        kind: "image.generate".into(),
+        input_json: input_json.into(),
+        resume_after_step: None,
+        provider: "imagegen".into(),
+        slot: "imagegen".into(),
+        lease_budget_ms: 60_000,
+        deadline: None,
+        granted_at: Timestamp(0),
+    })
+}
+
+fn inbound(event: Event) -> Inbound {
+    Inbound {
+        topic: "test.fenceline.dispatch".into(),
+        partition: 0,
+        offset: 0,
+        key: None,
+        value: Vec::new(),
+        envelope: Envelope {
+            headers: Headers {
+                event_id: EventId::new_v7(),
+                event_type: event.event_type().into(),
+                schema_fingerprint: String::new(),
+                producer: "scheduler".into(),
+                produced_at: Timestamp(0),
+                traceparent: None,
+            },
+            event,
+        },
+    }
+}
+
+/// Handles `events` in one batch and commits it, as the consumer does.
+async fn batch(pool: &PgPool, recorder: &GrantRecorder, events: Vec<Event>) {
+    let outbox = OutboxWriter::new("executor", "test.", 1);
+    let mut tx = pool.begin().await.expect("begin");
+    for event in events {
+        recorder.handle(&mut tx, &outbox, &inbound(event)).await.expect("handle");
+    }
+    tx.commit().await.expect("commit");
+    recorder.committed();
+}
+
+/// Every grant handed to the workers, in order.
+fn handed(recorder: &GrantRecorder) -> Vec<uuid::Uuid> {
+    std::iter::from_fn(|| recorder.handed.next(Duration::from_secs(3_600))).collect()
+}
+
+/// (input, cancel requested) of each execution, by grant id.
+async fn executions(pool: &PgPool) -> Vec<(uuid::Uuid, String, bool)> {
+    sqlx::query_as("SELECT grant_id, input_json, cancel_requested FROM executions ORDER BY grant_id")
+        .fetch_all(pool)
+        .await
+        .expect("read the executions")
+}
+
+#[tokio::test]
+async fn a_reissued_grant_makes_no_second_execution_and_is_handed_once() {
+    let pool = fresh_schema().await;
+    let recorder = GrantRecorder::new(Arc::default(), Arc::default(), 4);
+    let (grant, other) = (GrantId::new_v7(), GrantId::new_v7());
+
+    batch(&pool, &recorder, vec![granted(grant, r#"{"first":true}"#)]).await;
+    assert_eq!(handed(&recorder), [grant.as_uuid()]);
+
+    // Re-issued in the next batch, and again within one batch beside another grant.
+    batch(&pool, &recorder, vec![granted(grant, r#"{"again":true}"#)]).await;
+    batch(&pool, &recorder, vec![granted(other, "{}"), granted(grant, "{}")]).await;
+    assert_eq!(handed(&recorder), [other.as_uuid()], "only the new grant is handed");
+    let mut expected =
+        vec![(grant.as_uuid(), r#"{"first":true}"#.to_owned(), false), (other.as_uuid(), "{}".to_owned(), false)];
+    expected.sort();
+    assert_eq!(executions(&pool).await, expected, "the first recording stands");
+}
+
+#[tokio::test]
+async fn a_cancellation_marks_its_own_execution_only() {
+    let pool = fresh_schema().await;
+    let recorder = GrantRecorder::new(Arc::default(), Arc::default(), 4);
+    let (cancelled, kept) = (GrantId::new_v7(), GrantId::new_v7());
+    batch(&pool, &recorder, vec![granted(cancelled, "{}"), granted(kept, "{}")]).await;
+
+    let cancel = CancelAttempt { task_id: TaskId::new_v7(), grant_id: cancelled, requested_at: Timestamp(0) };
+    batch(&pool, &recorder, vec![Event::CancelAttempt(cancel)]).await;
+    let marked: Vec<_> = executions(&pool).await.into_iter().map(|(id, _, cancel)| (id, cancel)).collect();
+    let mut expected = vec![(cancelled.as_uuid(), true), (kept.as_uuid(), false)];
+    expected.sort();
+    assert_eq!(marked, expected);
+}

@@ -1,0 +1,143 @@
+//! The claim against a schema of its own in the test Postgres: a handed grant is
+//! claimed by its id only while it is ready, the idle walk takes the oldest ready
+//! execution or an expired lease and never a live one, and a takeover after the
+//! call intent claims nothing and reports the attempt lost.
+
+use std::collections::BTreeMap;
+
+use crate::record::Recorder;
+
+use super::*;
+
+/// A lease of 15 s.
+const LEASE_MS: u64 = 15_000;
+
+async fn workers() -> Workers {
+    let pool = fenceline_store::fresh_test_schema("executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool;
+    let settings = Arc::new(ExecutorSettings {
+        workers: 1,
+        lease_ms: LEASE_MS,
+        idle_poll_ms: 250,
+        poll_ms: 250,
+        task_retention_days: 30,
+    });
+    let outbox = OutboxWriter::new("executor", "test.", 1);
+    let catalog = Arc::new(Catalog { providers: BTreeMap::new(), kinds: BTreeMap::new(), budgets: BTreeMap::new() });
+    let recorder = Recorder { pool: pool.clone(), outbox: outbox.clone(), settings: settings.clone() };
+    Workers {
+        pool: pool.clone(),
+        outbox,
+        catalog: catalog.clone(),
+        settings: settings.clone(),
+        wake: Arc::default(),
+        handed: Arc::default(),
+        idle_looker: Arc::default(),
+        name: "test".into(),
+        calls: Calls { pool, catalog, providers: Arc::default(), settings, recorder },
+    }
+}
+
+/// How an execution stands when a test begins.
+enum Standing {
+    Ready,
+    /// Running in `phase`, its lease ending `lease_from_now_s` from the database's now.
+    Running {
+        phase: &'static str,
+        lease_from_now_s: i64,
+    },
+}
+
+/// Inserts an execution created `age_s` seconds ago, fencing token 1 if running.
+async fn execution(pool: &PgPool, age_s: i64, standing: Standing) -> uuid::Uuid {
+    let grant_id = uuid::Uuid::now_v7();
+    let (status, phase, lease_s, token) = match standing {
+        Standing::Ready => ("ready", None, None, 0_i64),
+        Standing::Running { phase, lease_from_now_s } => ("running", Some(phase), Some(lease_from_now_s), 1),
+    };
+    sqlx::query(
+        "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, provider, \
+         lease_budget_ms, status, fencing_token, lease_expires_at_us, phase, phase_at_us, created_at) \
+         VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'imagegen', 60000, $3, $4, \
+         now_us() + $5 * 1000000, $6, CASE WHEN $6 IS NULL THEN NULL ELSE 0 END, now() - $7 * interval '1 second')",
+    )
+    .bind(grant_id)
+    .bind(uuid::Uuid::now_v7())
+    .bind(status)
+    .bind(token)
+    .bind(lease_s)
+    .bind(phase)
+    .bind(age_s)
+    .execute(pool)
+    .await
+    .expect("insert an execution");
+    grant_id
+}
+
+/// (status, fencing token, phase, takeover) of the execution.
+async fn standing(pool: &PgPool, grant_id: uuid::Uuid) -> (String, i64, Option<String>, bool) {
+    sqlx::query_as("SELECT status, fencing_token, phase, takeover FROM executions WHERE grant_id = $1")
+        .bind(grant_id)
+        .fetch_one(pool)
+        .await
+        .expect("read the execution")
+}
+
+/// The event types in the outbox, in the order written.
+async fn events(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT event_type FROM outbox ORDER BY id").fetch_all(pool).await.expect("read the outbox")
+}
+
+async fn claim(workers: &Workers, handed: Option<uuid::Uuid>) -> Option<uuid::Uuid> {
+    workers.claim_next("w#0", handed).await.expect("claim").map(|claimed| claimed.claim.grant_id)
+}
+
+#[tokio::test]
+async fn a_handed_grant_is_claimed_by_its_id_and_only_while_it_is_ready() {
+    let workers = workers().await;
+    let pool = &workers.pool;
+    let older = execution(pool, 60, Standing::Ready).await;
+    let handed = execution(pool, 0, Standing::Ready).await;
+
+    assert_eq!(claim(&workers, Some(handed)).await, Some(handed), "the handed grant, not the oldest one");
+    assert_eq!(standing(pool, handed).await, ("running".into(), 1, Some("claimed".into()), false));
+    assert_eq!(events(pool).await, ["AttemptClaimed"]);
+
+    assert_eq!(claim(&workers, Some(handed)).await, None, "a handed grant already claimed is not claimed again");
+    assert_eq!(standing(pool, handed).await.1, 1, "and its fencing token stays");
+    assert_eq!(standing(pool, older).await, ("ready".into(), 0, None, false), "the other waits for its own claim");
+    assert_eq!(events(pool).await, ["AttemptClaimed"]);
+}
+
+#[tokio::test]
+async fn the_idle_walk_takes_the_oldest_ready_then_an_expired_lease_and_never_a_live_one() {
+    let workers = workers().await;
+    let pool = &workers.pool;
+    // Inserted newest first, so that the table's own order is not the claim's.
+    let live = execution(pool, 10, Standing::Running { phase: "step_started", lease_from_now_s: 15 }).await;
+    let expired = execution(pool, 20, Standing::Running { phase: "step_started", lease_from_now_s: -1 }).await;
+    let newer_ready = execution(pool, 30, Standing::Ready).await;
+    let oldest_ready = execution(pool, 40, Standing::Ready).await;
+
+    let order = [claim(&workers, None).await, claim(&workers, None).await, claim(&workers, None).await];
+    assert_eq!(order, [Some(oldest_ready), Some(newer_ready), Some(expired)], "oldest first");
+    assert_eq!(claim(&workers, None).await, None, "a live lease is never taken");
+
+    assert_eq!(
+        standing(pool, expired).await,
+        ("running".into(), 2, Some("step_started".into()), true),
+        "a takeover before the call intent claims with a larger token and keeps the phase"
+    );
+    assert_eq!(standing(pool, live).await, ("running".into(), 1, Some("step_started".into()), false));
+}
+
+#[tokio::test]
+async fn a_takeover_after_the_call_intent_claims_nothing_and_reports_the_attempt_lost() {
+    let workers = workers().await;
+    let pool = &workers.pool;
+    let in_doubt = execution(pool, 0, Standing::Running { phase: "call_intent", lease_from_now_s: -1 }).await;
+
+    assert_eq!(claim(&workers, None).await, None, "nothing to run: whether the call left is for the reconciler");
+    assert_eq!(standing(pool, in_doubt).await, ("lost".into(), 2, Some("call_intent".into()), true));
+    assert_eq!(events(pool).await, ["AttemptLost"]);
+    assert_eq!(claim(&workers, None).await, None, "a lost attempt is not claimed again");
+}

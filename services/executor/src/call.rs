@@ -20,7 +20,7 @@ use fenceline_domain::calls::{
     Backoff, CallOutcome, CallStage, NextMove, after_outcome, key_forgotten, key_remembered, operation_key,
 };
 use fenceline_domain::spend::{self, Amount};
-use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
+use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{
     ArtifactRef, AttemptSucceeded, CallIntentRecorded, Event, FencedResultReported, ProviderAccepted, Timestamp,
 };
@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use crate::ExecutorSettings;
 use crate::lease::{LEASE_MARGIN, Lease, Stop, jitter};
 use crate::output::{StepResult, hex_sha, shown_output, step_output};
-use crate::record::{Checkpoint, NewKey, Recorder, Status, Transition};
+use crate::record::{Checkpoint, NewKey, Recorder, Transition};
 
 /// The longest wait between two polls or two sends of one call, whatever the backoff says.
 const CALL_BACKOFF_CAP: Duration = Duration::from_secs(5);
@@ -531,7 +531,7 @@ impl Calls {
         };
         let mut events = vec![checkpointed];
         if let Some(result) = finishing {
-            transition = Transition { phase: Phase::Finished, ..transition.status(Status::Succeeded) };
+            transition = Transition { phase: Phase::Finished, ..transition.status(AttemptOutcome::Succeeded) };
             events.push(succeeded(lease, result.clone()));
         }
         self.recorder.record(lease, transition, &events).await?;

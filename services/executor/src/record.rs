@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use fenceline_bus::OutboxWriter;
 use fenceline_domain::calls::Backoff;
-use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
+use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{AttemptFailed, AttemptReleased, Event, topics};
 use sqlx::{PgConnection, PgPool, Row as _};
 use tokio::time::Instant;
@@ -27,7 +27,7 @@ use crate::lease::{Lease, STILL_RUNNING, Stop, jitter};
 pub(crate) struct Transition<'a> {
     pub phase: Phase,
     /// The execution's status after the write.
-    pub status: Status,
+    pub status: AttemptOutcome,
     pub step: Option<&'a str>,
     /// The operation key of the call, and the provider's request id once known.
     pub call: Option<(&'a str, Option<&'a str>)>,
@@ -43,27 +43,6 @@ pub(crate) struct Transition<'a> {
     /// [`Workers::renew`] does: the renewal right before a request leaves rides on
     /// the call intent's commit.
     pub renew_lease: bool,
-}
-
-/// The execution statuses a worker writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Status {
-    Running,
-    Succeeded,
-    Failed,
-    Released,
-}
-
-impl Status {
-    /// Do not change: the executions table stores these words.
-    fn as_str(self) -> &'static str {
-        match self {
-            Status::Running => "running",
-            Status::Succeeded => "succeeded",
-            Status::Failed => "failed",
-            Status::Released => "released",
-        }
-    }
 }
 
 /// The `seq` the call used: the bump applies only if it is still the current one,
@@ -90,7 +69,7 @@ impl<'a> Transition<'a> {
     pub fn to(phase: Phase) -> Self {
         Transition {
             phase,
-            status: Status::Running,
+            status: AttemptOutcome::Running,
             step: None,
             call: None,
             new_key: None,
@@ -101,7 +80,7 @@ impl<'a> Transition<'a> {
     }
 
     /// The attempt ends at the phase it reached, with `status`.
-    pub fn end(lease: &Lease, status: Status) -> Self {
+    pub fn end(lease: &Lease, status: AttemptOutcome) -> Self {
         Transition { status, ..Transition::to(lease.phase) }
     }
 
@@ -109,7 +88,7 @@ impl<'a> Transition<'a> {
         Transition { step: Some(step), ..self }
     }
 
-    pub fn status(self, status: Status) -> Self {
+    pub fn status(self, status: AttemptOutcome) -> Self {
         Transition { status, ..self }
     }
 
@@ -321,7 +300,7 @@ impl Recorder {
             money_may_have_been_spent: spent,
             failed_at: crate::clock::now(),
         });
-        let transition = Transition { new_key, ..Transition::end(lease, Status::Failed) };
+        let transition = Transition { new_key, ..Transition::end(lease, AttemptOutcome::Failed) };
         self.record(lease, transition, &[event]).await?;
         info!(task_id = %lease.task_id, %class, message, "attempt failed");
         Ok(())
@@ -330,7 +309,7 @@ impl Recorder {
     /// Gives the grant back before any call.
     pub(crate) async fn release(&self, lease: &mut Lease, reason: ReleaseReason) -> Result<(), Stop> {
         let event = released(lease, reason);
-        self.record(lease, Transition::end(lease, Status::Released), &[event]).await?;
+        self.record(lease, Transition::end(lease, AttemptOutcome::Released), &[event]).await?;
         info!(task_id = %lease.task_id, %reason, "attempt released before any call");
         Ok(())
     }
@@ -341,9 +320,9 @@ fn count_ends(events: &[Event]) {
     let metrics = &fenceline_telemetry::metrics::global().executor;
     for event in events {
         match event {
-            Event::AttemptSucceeded(_) => metrics.attempt_ended("succeeded", "none"),
-            Event::AttemptFailed(e) => metrics.attempt_ended("failed", e.error_class.as_str()),
-            Event::AttemptReleased(e) => metrics.attempt_ended("released", e.reason.as_str()),
+            Event::AttemptSucceeded(_) => metrics.attempt_ended(AttemptOutcome::Succeeded.as_str(), "none"),
+            Event::AttemptFailed(e) => metrics.attempt_ended(AttemptOutcome::Failed.as_str(), e.error_class.as_str()),
+            Event::AttemptReleased(e) => metrics.attempt_ended(AttemptOutcome::Released.as_str(), e.reason.as_str()),
             _ => {}
         }
     }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::ids::{GrantId, TaskId};
-use fenceline_domain::vocabulary::{ErrorClass, Phase, ReleaseReason};
+use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, Phase, ReleaseReason};
 use fenceline_events::{ArtifactRef, AttemptClaimed, AttemptLost, AwaitingSignal, Event, Timestamp, topics};
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -33,7 +33,7 @@ use crate::ExecutorSettings;
 use crate::call::{Calls, Ends, succeeded};
 use crate::lease::{Lease, Stop};
 use crate::output::checkpointed_result;
-use crate::record::{Status, Transition, released};
+use crate::record::{Transition, released};
 
 /// One claimed execution, as the claim returned it.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -243,7 +243,7 @@ impl Workers {
             self.outbox.committed();
             let metrics = &fenceline_telemetry::metrics::global().executor;
             metrics.leases_taken_over.inc();
-            metrics.attempt_ended("lost", "none");
+            metrics.attempt_ended(AttemptOutcome::Lost.as_str(), "none");
             warn!(%task_id, %grant_id, %phase, "took over a lease after the call intent: attempt reported lost");
             return Ok(None);
         }
@@ -390,7 +390,11 @@ impl Workers {
         };
         self.calls
             .recorder
-            .record(lease, Transition::to(Phase::Finished).status(Status::Succeeded), &[succeeded(lease, result)])
+            .record(
+                lease,
+                Transition::to(Phase::Finished).status(AttemptOutcome::Succeeded),
+                &[succeeded(lease, result)],
+            )
             .await?;
         info!(task_id = %lease.task_id, "attempt succeeded");
         Ok(())
@@ -406,7 +410,7 @@ impl Workers {
             since: crate::clock::now(),
         });
         let events = [waiting, released(lease, ReleaseReason::AwaitingSignal)];
-        let transition = Transition::to(Phase::StepStarted).step(step).status(Status::Released);
+        let transition = Transition::to(Phase::StepStarted).step(step).status(AttemptOutcome::Released);
         self.calls.recorder.record(lease, transition, &events).await?;
         Ok(())
     }
@@ -417,3 +421,6 @@ impl Workers {
 fn read_phase(stored: &str) -> Phase {
     stored.parse().unwrap_or(Phase::CallIntent)
 }
+
+#[cfg(test)]
+mod tests;

@@ -13,7 +13,9 @@
 
 use std::time::Duration;
 
+use fenceline_domain::vocabulary::{AuditFinding, TaskState};
 use fenceline_events::Timestamp;
+use fenceline_store::word::Stored;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -21,12 +23,15 @@ use sqlx::PgPool;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Finding {
     pub task_id: uuid::Uuid,
-    pub finding: String,
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub finding: AuditFinding,
+    #[sqlx(try_from = "String")]
+    pub state: TaskState,
     pub detail: String,
 }
 
-/// Runs one audit and stores its findings; returns them and how many are new.
+/// Runs one audit and stores its findings in place of the last one's; returns
+/// them and how many are new.
 pub async fn run(pool: &PgPool, no_progress: Duration, grace: Duration) -> Result<(Vec<Finding>, usize), sqlx::Error> {
     let now = Timestamp::now().0;
     let stale_before = now - i64::try_from(no_progress.as_micros()).unwrap_or(i64::MAX / 4);
@@ -51,25 +56,32 @@ pub async fn run(pool: &PgPool, no_progress: Duration, grace: Duration) -> Resul
     .bind(now)
     .fetch_all(&mut *tx)
     .await?;
-    let known: Vec<(uuid::Uuid, String)> =
-        sqlx::query_as("SELECT task_id, finding FROM audit_findings").fetch_all(&mut *tx).await?;
-    sqlx::query("DELETE FROM audit_findings").execute(&mut *tx).await?;
-    let mut new = 0;
-    for f in &found {
-        if !known.iter().any(|(t, k)| *t == f.task_id && *k == f.finding) {
-            new += 1;
-            tracing::warn!(task_id = %f.task_id, finding = %f.finding, state = %f.state, detail = %f.detail, "audit finding");
-        }
-        sqlx::query("INSERT INTO audit_findings (task_id, finding, state, detail) VALUES ($1, $2, $3, $4)")
-            .bind(f.task_id)
-            .bind(&f.finding)
-            .bind(&f.state)
-            .bind(&f.detail)
-            .execute(&mut *tx)
-            .await?;
-    }
+    // This audit's findings take the place of the last one's in one statement,
+    // which answers which were not known before; a finding still there keeps
+    // when it was first detected.
+    let (task_ids, findings, states, details): (Vec<_>, Vec<_>, Vec<_>, Vec<_>) =
+        found.iter().map(|f| (f.task_id, f.finding.as_str(), f.state.as_str(), f.detail.as_str())).collect();
+    let new: Vec<(uuid::Uuid, Stored<AuditFinding>)> = sqlx::query_as(
+        "WITH found AS (SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]) \
+                        AS f (task_id, finding, state, detail)), \
+              gone AS (DELETE FROM audit_findings a WHERE NOT EXISTS \
+                        (SELECT 1 FROM found f WHERE f.task_id = a.task_id AND f.finding = a.finding)), \
+              stored AS (INSERT INTO audit_findings (task_id, finding, state, detail) SELECT * FROM found \
+                         ON CONFLICT (task_id, finding) DO UPDATE SET state = EXCLUDED.state, detail = EXCLUDED.detail \
+                         RETURNING task_id, finding, xmax = 0 AS inserted) \
+         SELECT task_id, finding FROM stored WHERE inserted",
+    )
+    .bind(&task_ids)
+    .bind(&findings)
+    .bind(&states)
+    .bind(&details)
+    .fetch_all(&mut *tx)
+    .await?;
     tx.commit().await?;
-    Ok((found, new))
+    for f in found.iter().filter(|f| new.contains(&(f.task_id, Stored(f.finding)))) {
+        tracing::warn!(task_id = %f.task_id, finding = %f.finding, state = %f.state, detail = %f.detail, "audit finding");
+    }
+    Ok((found, new.len()))
 }
 
 /// The findings of the last audit.
@@ -78,9 +90,6 @@ pub async fn findings(pool: &PgPool) -> Result<Vec<Finding>, sqlx::Error> {
         .fetch_all(pool)
         .await
 }
-
-/// Kinds of finding, as `GET /metrics` counts them.
-pub const FINDINGS: [&str; 2] = ["no_live_expectation", "no_progress"];
 
 /// Task states that wait for evidence or a person, as `GET /metrics` counts them.
 pub const OPEN_CASE_STATES: [&str; 2] = ["outcome_unknown", "needs_human"];
@@ -92,7 +101,7 @@ pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
     let metrics = &fenceline_telemetry::metrics::global().reconciler;
     let findings: Vec<(String, i64)> =
         sqlx::query_as("SELECT finding, count(*) FROM audit_findings GROUP BY finding").fetch_all(pool).await?;
-    for kind in FINDINGS {
+    for kind in AuditFinding::ALL.iter().map(|kind| kind.as_str()) {
         let n = findings.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
         metrics
             .audit_findings

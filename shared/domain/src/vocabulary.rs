@@ -56,6 +56,13 @@ macro_rules! word_set {
             }
         }
 
+        impl TryFrom<String> for $name {
+            type Error = UnknownWord;
+            fn try_from(text: String) -> Result<Self, Self::Error> {
+                text.parse()
+            }
+        }
+
         impl serde::Serialize for $name {
             fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
                 serializer.serialize_str(self.as_str())
@@ -120,6 +127,20 @@ word_set!(
 );
 
 word_set!(
+    /// Where one attempt stands: `running` until it ends in one of the other four.
+    /// An execution's row is also `ready` before a worker first claims it.
+    AttemptOutcome, "attempt outcome" {
+        Running => "running",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        /// Handed back without a call: busy, waiting for a signal, cancelled, shutting down.
+        Released => "released",
+        /// Its worker vanished after a call may have left: the reconciler decides.
+        Lost => "lost",
+    }
+);
+
+word_set!(
     /// The error classes of docs/architecture.md, "Error classes".
     ErrorClass, "error class" {
         NotSent => "not_sent",
@@ -172,6 +193,16 @@ word_set!(
     }
 );
 
+word_set!(
+    /// What the reconciler's audit finds wrong with a task's status.
+    AuditFinding, "audit finding" {
+        /// Shows `running`, but no grant of it is live and no case about it is open.
+        NoLiveExpectation => "no_live_expectation",
+        /// Shows `queued` or `waiting` and has not changed for longer than the threshold.
+        NoProgress => "no_progress",
+    }
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +217,12 @@ mod tests {
         }
         for state in CaseState::ALL {
             assert_eq!(state.as_str().parse::<CaseState>().expect("round trip"), *state);
+        }
+        for outcome in AttemptOutcome::ALL {
+            assert_eq!(AttemptOutcome::try_from(outcome.as_str().to_owned()).expect("round trip"), *outcome);
+        }
+        for finding in AuditFinding::ALL {
+            assert_eq!(finding.as_str().parse::<AuditFinding>().expect("round trip"), *finding);
         }
     }
 

@@ -34,3 +34,16 @@ impl<W: Word> Encode<'_, Postgres> for Stored<W> {
         <&str as Encode<Postgres>>::encode(self.0.as_str(), buf)
     }
 }
+
+/// Shown as the word itself: a view can hold a stored word and be served as it is.
+impl<W: Word + serde::Serialize> serde::Serialize for Stored<W> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+impl<'de, W: Word + serde::Deserialize<'de>> serde::Deserialize<'de> for Stored<W> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        W::deserialize(deserializer).map(Stored)
+    }
+}

@@ -4,7 +4,7 @@
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::RecoveryDecision;
+use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, RecoveryDecision};
 use fenceline_events::{Event, Timestamp};
 use sqlx::PgConnection;
 
@@ -34,16 +34,18 @@ impl Handler for CaseProjection {
         // (the attempt's own event may arrive later, on another topic).
         if decided.decision != RecoveryDecision::ReissueGrant {
             sqlx::query(
-                "INSERT INTO task_attempts (task_id, attempt, outcome, recovery) VALUES ($1, $2, 'lost', $3) \
+                "INSERT INTO task_attempts (task_id, attempt, outcome, recovery) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT (task_id, attempt) DO UPDATE SET recovery = EXCLUDED.recovery",
             )
             .bind(decided.task_id.as_uuid())
             .bind(decided.attempt)
+            .bind(AttemptOutcome::Lost.as_str())
             .bind(decided.decision.as_str())
             .execute(&mut *tx)
             .await?;
         }
-        let Some(case_id) = decided.case_id.as_ref().filter(|_| decided.decision.as_str() == "outcome_unknown") else {
+        let Some(case_id) = decided.case_id.as_ref().filter(|_| decided.decision == RecoveryDecision::OutcomeUnknown)
+        else {
             return Ok(());
         };
         sqlx::query(
@@ -85,28 +87,33 @@ impl Handler for AttemptProjection {
         match &record.envelope.event {
             Event::StepCheckpointed(e) => crate::decisions::record_output(tx, e).await?,
             Event::AttemptClaimed(e) => attempts.started(e.task_id, e.attempt, record.envelope.headers.produced_at),
-            Event::AttemptSucceeded(e) => attempts.ended(e.task_id, e.attempt, Ended::at(e.finished_at, "succeeded")),
+            Event::AttemptSucceeded(e) => {
+                attempts.ended(e.task_id, e.attempt, Ended::at(e.finished_at, AttemptOutcome::Succeeded))
+            }
             Event::AttemptFailed(e) => attempts.ended(
                 e.task_id,
                 e.attempt,
                 Ended {
-                    error_class: Some(e.error_class.as_str()),
+                    error_class: Some(e.error_class),
                     detail: Some(e.message.clone()),
                     money_may_have_been_spent: Some(e.money_may_have_been_spent),
-                    ..Ended::at(e.failed_at, "failed")
+                    ..Ended::at(e.failed_at, AttemptOutcome::Failed)
                 },
             ),
             Event::AttemptReleased(e) => attempts.ended(
                 e.task_id,
                 e.attempt,
-                Ended { detail: Some(e.reason.as_str().to_owned()), ..Ended::at(e.released_at, "released") },
+                Ended {
+                    detail: Some(e.reason.as_str().to_owned()),
+                    ..Ended::at(e.released_at, AttemptOutcome::Released)
+                },
             ),
             Event::AttemptLost(e) => attempts.ended(
                 e.task_id,
                 e.attempt,
                 Ended {
                     detail: Some(format!("worker last seen after `{}`", e.last_phase.as_str())),
-                    ..Ended::at(e.detected_at, "lost")
+                    ..Ended::at(e.detected_at, AttemptOutcome::Lost)
                 },
             ),
             _ => {}
@@ -128,15 +135,15 @@ impl Handler for AttemptProjection {
 /// How an attempt ended, as `task_attempts` keeps it.
 #[derive(Debug, Clone)]
 struct Ended {
-    outcome: &'static str,
-    error_class: Option<&'static str>,
+    outcome: AttemptOutcome,
+    error_class: Option<ErrorClass>,
     detail: Option<String>,
     money_may_have_been_spent: Option<bool>,
     at: Timestamp,
 }
 
 impl Ended {
-    fn at(at: Timestamp, outcome: &'static str) -> Self {
+    fn at(at: Timestamp, outcome: AttemptOutcome) -> Self {
         Ended { outcome, error_class: None, detail: None, money_may_have_been_spent: None, at }
     }
 }
@@ -179,8 +186,8 @@ impl Attempts {
             task_ids.push(task_id.as_uuid());
             attempts.push(attempt);
             starts.push(started.map(Timestamp::to_datetime));
-            outcomes.push(ended.as_ref().map_or("running", |e| e.outcome));
-            classes.push(ended.as_ref().and_then(|e| e.error_class));
+            outcomes.push(ended.as_ref().map_or(AttemptOutcome::Running, |e| e.outcome).as_str());
+            classes.push(ended.as_ref().and_then(|e| e.error_class).map(ErrorClass::as_str));
             money.push(ended.as_ref().and_then(|e| e.money_may_have_been_spent));
             ends.push(ended.as_ref().map(|e| e.at.to_datetime()));
             details.push(ended.and_then(|e| e.detail));

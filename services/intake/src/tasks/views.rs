@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use fenceline_domain::ids::TaskId;
-use fenceline_domain::vocabulary::TaskState;
+use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, RecoveryDecision, TaskState};
 use fenceline_events::ArtifactRef;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -120,15 +120,19 @@ pub struct AttemptView {
     /// `running`, `succeeded`, `failed`, `released` (handed back without a call:
     /// busy, waiting for a signal, cancelled, shutting down) or `lost` (its worker
     /// vanished; then `recovery` says what the evidence decided).
-    pub outcome: String,
+    #[schema(value_type = String)]
+    #[sqlx(try_from = "String")]
+    pub outcome: AttemptOutcome,
     /// For `failed`: the error class (docs/provider-protocol.md).
-    pub error_class: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub error_class: Option<Stored<ErrorClass>>,
     /// The failure's message, the release reason, or the phase a lost worker was last seen in.
     pub detail: Option<String>,
     /// For `failed`: whether the provider may have charged for it.
     pub money_may_have_been_spent: Option<bool>,
     /// For `lost`: the reconciler's decision (`recovered`, `retry_safe`, `outcome_unknown`).
-    pub recovery: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub recovery: Option<Stored<RecoveryDecision>>,
     #[serde(with = "time::serde::rfc3339::option")]
     pub started_at: Option<OffsetDateTime>,
     #[serde(with = "time::serde::rfc3339::option")]

@@ -138,3 +138,6 @@ pub async fn purge_finished(pool: &PgPool, retention: Duration, batch: i64) -> R
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -147,3 +147,6 @@ pub async fn purge_finished(pool: &PgPool, retention: Duration, batch: i64) -> R
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -464,3 +464,6 @@ enum Judged {
     NeverReceived,
     NoAnswer,
 }
+
+#[cfg(test)]
+mod tests;

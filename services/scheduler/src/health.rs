@@ -85,3 +85,6 @@ pub async fn read(
             .await?;
     Ok(stored.map_or_else(|| AdaptiveLimit::full(policy), |json| json.0))
 }
+
+#[cfg(test)]
+mod tests;

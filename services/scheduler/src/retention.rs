@@ -54,3 +54,6 @@ pub async fn purge_finished_tasks(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

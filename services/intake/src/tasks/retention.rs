@@ -102,3 +102,6 @@ pub async fn purge_idempotency_keys(pool: &PgPool, retention_hours: u32) -> Resu
         .await?;
     Ok(result.rows_affected())
 }
+
+#[cfg(test)]
+mod tests;

@@ -122,10 +122,16 @@ pub async fn refresh_gauges(pool: &PgPool) -> Result<(), sqlx::Error> {
 
 /// Deletes the reconciler's rows of tasks that finished (`succeeded`, `failed`,
 /// `cancelled` on the status topic) longer than `retention` ago: their grants,
-/// calls, cases, findings and status, `batch` tasks per transaction. Returns how
-/// many tasks went. Open tasks are never purged.
+/// calls, cases, findings and status, `batch` tasks per transaction, and what was
+/// heard of grants that never arrived, as long ago. Returns how many tasks went.
+/// Open tasks are never purged.
 pub async fn purge_finished(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
     let cutoff = Timestamp::now().0.saturating_sub(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX));
+    // What was heard of a grant that never arrived: no task's row names it.
+    sqlx::query("DELETE FROM early_grant_facts WHERE heard_at < now() - make_interval(secs => $1)")
+        .bind(retention.as_secs_f64())
+        .execute(pool)
+        .await?;
     let mut purged = 0;
     loop {
         let mut tx = pool.begin().await?;

@@ -164,14 +164,12 @@ impl Reconciler {
 
     /// Re-publishes grants not claimed within the claim timeout.
     async fn reissue_unclaimed(&self) -> Result<(), fenceline_bus::Error> {
-        let now = Timestamp::now().0;
         let mut tx = self.pool.begin().await?;
         let due: Vec<(uuid::Uuid, sqlx::types::Json<AttemptGranted>, i32, Option<String>)> = sqlx::query_as(
             "SELECT grant_id, granted, reissues, traceparent FROM grants \
-             WHERE NOT claimed AND NOT ended AND claim_deadline_us < $1 \
+             WHERE NOT claimed AND NOT ended AND claim_deadline_us < now_us() \
              ORDER BY claim_deadline_us LIMIT 100 FOR UPDATE SKIP LOCKED",
         )
-        .bind(now)
         .fetch_all(&mut *tx)
         .await?;
         if due.is_empty() {
@@ -182,11 +180,13 @@ impl Reconciler {
             let span = task_span("reissue", grant.task_id.as_uuid(), grant.attempt, traceparent.as_deref());
             // Each re-issue waits longer, so a stopped executor fleet is not flooded.
             let wait_ms = self.settings.claim_timeout_ms.saturating_mul(1 << (*reissues).clamp(0, 5));
-            sqlx::query("UPDATE grants SET reissues = reissues + 1, claim_deadline_us = $2 WHERE grant_id = $1")
-                .bind(grant_id)
-                .bind(now + i64::try_from(wait_ms).unwrap_or(i64::MAX / 4) * 1_000)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query(
+                "UPDATE grants SET reissues = reissues + 1, claim_deadline_us = now_us() + $2 WHERE grant_id = $1",
+            )
+            .bind(grant_id)
+            .bind(i64::try_from(wait_ms).unwrap_or(i64::MAX / 4) * 1_000)
+            .execute(&mut *tx)
+            .await?;
             let found = vec![evidence(
                 "reconciler",
                 format!(

@@ -478,14 +478,14 @@ impl Handler for Watches {
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         match &record.envelope.event {
             Event::AttemptGranted(g) => {
-                let claim_by = Timestamp::now().0 + i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
+                let claim_within_us = i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
                 let granted = serde_json::to_value(g).map_err(|e| HandleError::Poison(e.to_string()))?;
                 // What was heard of this grant before it arrived applies at once.
                 sqlx::query(
                     "WITH early AS (DELETE FROM early_grant_facts WHERE grant_id = $1 RETURNING claimed, ended) \
                      INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
                      claim_deadline_us, claimed, ended, traceparent) \
-                     SELECT $1::uuid, $2::uuid, $3::int, $4::text, $5::text, $6::bigint, $7::jsonb, $8::bigint, \
+                     SELECT $1::uuid, $2::uuid, $3::int, $4::text, $5::text, $6::bigint, $7::jsonb, now_us() + $8::bigint, \
                      coalesce(early.claimed, false), coalesce(early.ended, false), $9::text FROM (SELECT 1) AS always LEFT JOIN early ON true \
                      ON CONFLICT (grant_id) DO NOTHING",
                 )
@@ -496,7 +496,7 @@ impl Handler for Watches {
                 .bind(&g.provider)
                 .bind(g.deadline.map(|d| d.0))
                 .bind(granted)
-                .bind(claim_by)
+                .bind(claim_within_us)
                 // A re-issue of the grant joins the task's trace.
                 .bind(fenceline_telemetry::current_traceparent())
                 .execute(&mut *tx)

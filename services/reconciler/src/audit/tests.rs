@@ -173,3 +173,22 @@ async fn only_finished_tasks_past_the_retention_lose_their_rows() {
     }
     assert_eq!(purge_finished(&pool, Duration::from_secs(30 * 86_400), 2).await.expect("purge again"), 0);
 }
+
+#[tokio::test]
+async fn what_was_heard_of_a_grant_that_never_arrived_goes_after_the_retention() {
+    let pool = fresh_schema().await;
+    let (old, recent) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    sqlx::query(
+        "INSERT INTO early_grant_facts (grant_id, claimed, heard_at) \
+         VALUES ($1, true, now() - interval '31 days'), ($2, true, now() - interval '29 days')",
+    )
+    .bind(old)
+    .bind(recent)
+    .execute(&pool)
+    .await
+    .expect("insert early facts");
+    purge_finished(&pool, Duration::from_secs(30 * 86_400), 2).await.expect("purge");
+    let left: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT grant_id FROM early_grant_facts").fetch_all(&pool).await.expect("read");
+    assert_eq!(left, [recent]);
+}

@@ -1,6 +1,10 @@
 //! Tenants and their bearer tokens. A token is shown once when created; only its
 //! sha256 is stored, so a database dump does not hand out access.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
 use actix_web::{FromRequest, HttpRequest, dev::Payload, web};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
@@ -84,9 +88,13 @@ async fn holder_of(pool: &PgPool, token: &str) -> Result<Option<(Tenant, String)
     if token.len() > 200 {
         return Ok(None);
     }
+    holder_by_digest(pool, &digest(token)).await
+}
+
+async fn holder_by_digest(pool: &PgPool, digest: &[u8]) -> Result<Option<(Tenant, String)>, sqlx::Error> {
     let found: Option<(String, Uuid, String)> =
         sqlx::query_as("SELECT tenant, token_id, label FROM api_tokens WHERE token_sha256 = $1 AND revoked_at IS NULL")
-            .bind(digest(token))
+            .bind(digest)
             .fetch_optional(pool)
             .await?;
     Ok(found.and_then(|(tenant, token_id, label)| {
@@ -94,6 +102,55 @@ async fn holder_of(pool: &PgPool, token: &str) -> Result<Option<(Tenant, String)
         let identity = format!("tenant:{} token:{token_id} ({label})", tenant.as_str());
         Some((tenant, identity))
     }))
+}
+
+/// How long an active token's holder is remembered: a token revoked anywhere is
+/// refused by every instance within this long.
+pub const TOKENS_REMEMBERED_FOR: Duration = Duration::from_secs(1);
+
+/// At most this many tokens are remembered; past it, the stale ones are forgotten.
+const MOST_TOKENS_REMEMBERED: usize = 10_000;
+
+/// The holders of active tokens looked up in the last [`TOKENS_REMEMBERED_FOR`], by
+/// digest, so that a client's requests do not each cost a look-up. Unknown and
+/// revoked tokens are never remembered: a token just created works at once.
+#[derive(Debug, Default)]
+pub struct Tokens {
+    remembered: Mutex<HashMap<Vec<u8>, (Instant, Tenant, String)>>,
+}
+
+impl Tokens {
+    /// As [`holder_of`], from memory when the token was found active less than
+    /// [`TOKENS_REMEMBERED_FOR`] ago.
+    pub async fn holder_of(&self, pool: &PgPool, token: &str) -> Result<Option<(Tenant, String)>, sqlx::Error> {
+        if token.len() > 200 {
+            return Ok(None);
+        }
+        let digest = digest(token);
+        if let Some((_, tenant, identity)) =
+            self.held().get(&digest).filter(|(found_at, ..)| found_at.elapsed() < TOKENS_REMEMBERED_FOR)
+        {
+            return Ok(Some((tenant.clone(), identity.clone())));
+        }
+        let found = holder_by_digest(pool, &digest).await?;
+        let mut held = self.held();
+        match &found {
+            Some((tenant, identity)) => {
+                if held.len() >= MOST_TOKENS_REMEMBERED {
+                    held.retain(|_, (found_at, ..)| found_at.elapsed() < TOKENS_REMEMBERED_FOR);
+                }
+                held.insert(digest, (Instant::now(), tenant.clone(), identity.clone()));
+            }
+            None => {
+                held.remove(&digest);
+            }
+        }
+        Ok(found)
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<Vec<u8>, (Instant, Tenant, String)>> {
+        self.remembered.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The tenant of the request's bearer token. Extracting it answers 401 for a missing,
@@ -114,11 +171,16 @@ impl FromRequest for Caller {
         let token = bearer(req);
         let pool = req.app_data::<web::Data<PgPool>>().cloned();
         let admission = req.app_data::<web::Data<crate::admission::Admission>>().cloned();
+        let tokens = req.app_data::<web::Data<Tokens>>().cloned();
         Box::pin(async move {
             let (Some(token), Some(pool)) = (token, pool) else {
                 return Err(ApiError::Unauthorized);
             };
-            let (tenant, identity) = holder_of(pool.get_ref(), &token).await?.ok_or(ApiError::Unauthorized)?;
+            let holder = match tokens {
+                Some(tokens) => tokens.holder_of(pool.get_ref(), &token).await?,
+                None => holder_of(pool.get_ref(), &token).await?,
+            };
+            let (tenant, identity) = holder.ok_or(ApiError::Unauthorized)?;
             if let Some(admission) = admission {
                 admission.admit(&tenant)?;
             }

@@ -169,6 +169,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let mut app = ServiceApp::build(NAME, &[], &config.service, &MIGRATOR, |base| {
         let pool = web::Data::new(base.database.pool.clone());
         let admission = web::Data::new(admission);
+        let tokens = web::Data::new(auth::Tokens::default());
         let openapi = Arc::new(openapi::document(&kinds).to_string());
         let state = web::Data::new(routes::State {
             outbox: base.outbox.clone(),
@@ -186,6 +187,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
                     .wrap(from_fn(routes::header_limits))
                     .wrap(from_fn(admission::guard))
                     .app_data(admission.clone())
+                    .app_data(tokens.clone())
                     .app_data(pool.clone())
                     .app_data(state.clone())
                     .app_data(web::JsonConfig::default().limit(body_limit).error_handler(problem::json_error))

@@ -79,3 +79,29 @@ async fn a_revoked_or_unknown_token_finds_nobody_and_revoking_touches_only_that_
     assert_eq!(tenant_of(&pool, "").await.expect("look up"), None);
     assert_eq!(tenant_of(&pool, &format!("{kept}{}", "0".repeat(200))).await.expect("look up"), None, "too long");
 }
+
+#[tokio::test]
+async fn a_remembered_token_is_refused_within_a_second_of_its_revocation_and_a_new_one_works_at_once() {
+    let pool = fresh_schema().await;
+    let tokens = Tokens::default();
+    let (token_id, token) = create_token(&pool, &tenant("acme"), "ci").await.expect("create");
+    let tenant_by_cache = async |token: &str| tokens.holder_of(&pool, token).await.expect("look up").map(|(t, _)| t);
+
+    assert_eq!(tenant_by_cache(&token).await, Some(tenant("acme")));
+    assert!(revoke_token(&pool, token_id).await.expect("revoke"));
+    assert_eq!(tenant_by_cache(&token).await, Some(tenant("acme")), "remembered for a moment after it was found");
+    tokio::time::sleep(TOKENS_REMEMBERED_FOR + Duration::from_millis(50)).await;
+    assert_eq!(tenant_by_cache(&token).await, None, "refused once the moment has passed");
+    assert_eq!(tenant_by_cache(&token).await, None, "and a refusal is not remembered as a holder");
+
+    // An unknown token is not remembered as unknown: created afterwards, it works at once.
+    let unknown = "fl_created_later";
+    assert_eq!(tenant_by_cache(unknown).await, None);
+    sqlx::query("INSERT INTO api_tokens (token_id, tenant, token_sha256, label) VALUES ($1, 'acme', $2, 'later')")
+        .bind(Uuid::now_v7())
+        .bind(digest(unknown))
+        .execute(&pool)
+        .await
+        .expect("create the token");
+    assert_eq!(tenant_by_cache(unknown).await, Some(tenant("acme")));
+}

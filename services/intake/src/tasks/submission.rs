@@ -193,9 +193,11 @@ pub async fn submit(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
-    let mut tx = pool.begin().await?;
-    let submitted = submit_in(&mut tx, outbox, tenant, key, task, source).await?;
-    tx.commit().await?;
+    // One statement writes the whole submission, so it needs no transaction of its
+    // own: no BEGIN and COMMIT round trips around it.
+    let mut conn = pool.acquire().await?;
+    let submitted = submit_in(&mut conn, outbox, tenant, key, task, source).await?;
+    drop(conn);
     // The task is accepted; the client has not heard so (a crash here loses only the answer).
     let _ = fenceline_bus::faults::drops("intake.after_accept_commit");
     if matches!(submitted, Submitted::Created(_)) {

@@ -6,7 +6,7 @@ use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_events::{Event, Timestamp};
 use sqlx::{PgConnection, PgPool};
 
-/// Keeps the latest status of each task from `fenceline.status`.
+/// Keeps the final status of each task that reached one, from `fenceline.status`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StatusProjection;
 
@@ -18,18 +18,15 @@ impl Handler for StatusProjection {
                 record.envelope.event.event_type()
             )));
         };
-        // Only a final state makes a task's rows eligible for the purge, so only a
-        // final state creates a row. A later version replaces the state whatever it
-        // is, so a task that is open again is no longer eligible; an earlier one
-        // changes nothing. The snapshots of a task that has never been final (most
-        // of them: queued, running, each phase) write nothing.
-        let statement = if s.state.is_final() {
-            "INSERT INTO task_states (task_id, state, version, updated_at_us) VALUES ($1, $2, $3, $4) \
+        // Only a final state makes a task's rows eligible for the purge, and a final
+        // state is never left (the lifecycle's property tests hold it), so the other
+        // snapshots (queued, running, each phase: most of them) cost no statement.
+        if !s.state.is_final() {
+            return Ok(());
+        }
+        let statement = "INSERT INTO task_states (task_id, state, version, updated_at_us) VALUES ($1, $2, $3, $4) \
              ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, version = EXCLUDED.version, \
-             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version"
-        } else {
-            "UPDATE task_states SET state = $2, version = $3, updated_at_us = $4 WHERE task_id = $1 AND version < $3"
-        };
+             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version";
         sqlx::query(statement)
             .bind(s.task_id.as_uuid())
             .bind(s.state.as_str())
@@ -61,7 +58,7 @@ pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64
     loop {
         let mut tx = pool.begin().await?;
         // FOR UPDATE: a status arriving meanwhile waits for this transaction, and
-        // then finds no row to reopen, only one to create.
+        // then finds no row to replace, only one to create.
         let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
             "SELECT s.task_id FROM task_states s WHERE s.state IN ('succeeded', 'failed', 'cancelled') \
              AND s.updated_at_us < $1 AND NOT EXISTS (SELECT 1 FROM executions e \

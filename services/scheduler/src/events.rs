@@ -33,42 +33,64 @@ pub struct LifecycleEvents {
     pub ends: tasks::Ends,
 }
 
-/// The task rows this consumer's batch has locked, as it last saved them: a
+/// The task rows this consumer's batch has locked, as its events left them: a
 /// task's later events in the same batch (the claim, the call intent and the
 /// checkpoint often come together) are applied to the held row instead of locking
-/// and reading it again. The batch's transaction keeps the row locked, so no one
-/// else can change it; forgotten when the batch (or an event's savepoint) is
-/// flushed or rolled back.
+/// and reading it again, and a changed row is stored once, when the batch (or an
+/// event's savepoint) is flushed ([`tasks::save_all`]). The batch's transaction
+/// keeps each row locked, so no one else can change or read it meanwhile;
+/// forgotten when the batch or the savepoint is flushed or rolled back.
 #[derive(Debug, Default)]
-pub struct HeldRows(std::sync::Mutex<std::collections::HashMap<TaskId, TaskRow>>);
+pub struct HeldRows(std::sync::Mutex<std::collections::HashMap<TaskId, Held>>);
+
+/// A locked row, and whether the batch changed it since it was read.
+#[derive(Debug)]
+pub struct Held {
+    row: TaskRow,
+    changed: bool,
+}
 
 impl HeldRows {
-    fn held(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<TaskId, TaskRow>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<TaskId, Held>> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn get(&self, task_id: TaskId) -> Option<TaskRow> {
-        self.held().get(&task_id).cloned()
+    /// Holds a row the batch changed, to be stored at the flush.
+    fn changed(&self, row: TaskRow) {
+        self.held().insert(row.task_id, Held { row, changed: true });
     }
 
-    fn hold(&self, row: TaskRow) {
-        self.held().insert(row.task_id, row);
+    /// Notes the signal a task's step now waits for, which its row holds too.
+    fn awaiting(&self, task_id: TaskId, signal: &str, step: &str) {
+        if let Some(held) = self.held().get_mut(&task_id) {
+            held.row.pending_signal = Some(signal.to_owned());
+            held.row.pending_step = Some(step.to_owned());
+        }
     }
 
-    fn forget(&self, task_id: TaskId) {
-        self.held().remove(&task_id);
+    /// Forgets every row; returns the changed ones, in task order.
+    fn take_changed(&self) -> Vec<TaskRow> {
+        let mut changed: Vec<TaskRow> =
+            self.held().drain().filter(|(_, held)| held.changed).map(|(_, held)| held.row).collect();
+        changed.sort_by_key(|row| row.task_id.as_uuid());
+        changed
     }
 
     fn clear(&self) {
         self.held().clear();
     }
 
-    /// The task's row, locked: held by this batch already, or locked and read now.
+    /// The task's row, locked: held by this batch already, or locked and read now
+    /// (and held from then on).
     async fn lock(&self, tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
-        match self.get(task_id) {
-            Some(row) => Ok(Some(row)),
-            None => tasks::lock(tx, task_id).await,
+        if let Some(held) = self.held().get(&task_id) {
+            return Ok(Some(held.row.clone()));
         }
+        let row = tasks::lock(tx, task_id).await?;
+        if let Some(row) = &row {
+            self.held().insert(task_id, Held { row: row.clone(), changed: false });
+        }
+        Ok(row)
     }
 }
 
@@ -155,10 +177,11 @@ impl LifecycleEvents {
             self.ends.keep(&self.catalog, &e.kind, task.state, e.accepted_at.0, now);
         }
         self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
+        let changed = !early.is_empty();
         for input in early {
-            row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
+            row = tasks::apply_unsaved(tx, self.ctx(outbox), &row, input, now).await?;
         }
-        self.held.hold(row);
+        self.held.held().insert(row.task_id, Held { row, changed });
         Ok(())
     }
 }
@@ -224,7 +247,7 @@ impl Handler for LifecycleEvents {
     }
 
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
-        self.held.clear();
+        tasks::save_all(tx, self.ctx(outbox), &self.held.take_changed()).await?;
         Ok(self.statuses.flush(tx, outbox).await?)
     }
 
@@ -295,7 +318,7 @@ impl Handler for LifecycleEvents {
                     .bind(&e.step)
                     .execute(&mut *tx)
                     .await?;
-                self.held.forget(task_id);
+                self.held.awaiting(task_id, &e.signal_name, &e.step);
                 return Ok(());
             }
             Event::AttemptSucceeded(e) => Input::Succeeded { grant_id: e.grant_id, result: tasks::artifact(&e.result) },
@@ -336,7 +359,7 @@ impl Handler for LifecycleEvents {
         if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
             health::observe(tx, &self.catalog, grant_id, health, now).await?;
         }
-        self.held.hold(tasks::apply(tx, self.ctx(outbox), &row, input, now).await?);
+        self.held.changed(tasks::apply_unsaved(tx, self.ctx(outbox), &row, input, now).await?);
         Ok(())
     }
 }

@@ -228,6 +228,21 @@ pub async fn apply(
     input: Input,
     now: Micros,
 ) -> Result<TaskRow, fenceline_bus::Error> {
+    let next = apply_unsaved(tx, ctx, row, input, now).await?;
+    save(tx, ctx, next.task_id, &next.kind, &next.lifecycle, next.version).await?;
+    Ok(next)
+}
+
+/// As [`apply`], leaving the row to be stored by the caller before its
+/// transaction commits ([`save_all`]): a batch stores each task once, however
+/// many of its events it applied.
+pub async fn apply_unsaved(
+    tx: &mut PgConnection,
+    ctx: Context<'_>,
+    row: &TaskRow,
+    input: Input,
+    now: Micros,
+) -> Result<TaskRow, fenceline_bus::Error> {
     let policy = policy(ctx.catalog, &row.kind, ctx.settings);
     let transition = row.lifecycle.apply(input, now, &policy);
     count_policy_resends(ctx.catalog, row, &transition.task);
@@ -242,7 +257,6 @@ pub async fn apply(
         version += 1;
         ctx.publish_status(tx, status_of(row, &transition.task, version, now)).await?;
     }
-    save(tx, ctx, row.task_id, &row.kind, &transition.task, version).await?;
     Ok(TaskRow { lifecycle: transition.task, version, ..row.clone() })
 }
 
@@ -287,6 +301,44 @@ pub async fn save(
     .bind(due_at(task))
     .bind(version)
     .bind(provider)
+    .bind(ctx.channel)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Stores the lifecycles of `rows`, each locked by this transaction, with one
+/// statement; a due time among them wakes the dispatchers when it commits.
+pub async fn save_all(tx: &mut PgConnection, ctx: Context<'_>, rows: &[TaskRow]) -> Result<(), sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let (mut ids, mut lifecycles, mut states, mut due, mut versions, mut providers) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for row in rows {
+        let task = &row.lifecycle;
+        ids.push(row.task_id.as_uuid());
+        lifecycles.push(sqlx::types::Json(task));
+        states.push(task.state.as_str());
+        due.push(due_at(task));
+        versions.push(row.version);
+        providers
+            .push(ctx.catalog.kind(&row.kind).and_then(|k| k.slot_provider_after(task.resume_after_step.as_deref())));
+    }
+    sqlx::query(
+        "WITH saved AS (UPDATE tasks t SET lifecycle = u.lifecycle, state = u.state, due_at_us = u.due_at_us, \
+           version = u.version, provider = coalesce(u.provider, t.provider), updated_at = now() \
+           FROM unnest($1::uuid[], $2::jsonb[], $3::text[], $4::bigint[], $5::bigint[], $6::text[]) \
+             AS u (task_id, lifecycle, state, due_at_us, version, provider) \
+           WHERE t.task_id = u.task_id RETURNING t.due_at_us) \
+         SELECT pg_notify($7, '') FROM (SELECT 1 FROM saved WHERE due_at_us IS NOT NULL LIMIT 1) AS due",
+    )
+    .bind(ids)
+    .bind(lifecycles)
+    .bind(states)
+    .bind(due)
+    .bind(versions)
+    .bind(providers)
     .bind(ctx.channel)
     .execute(&mut *tx)
     .await?;

@@ -261,14 +261,21 @@ impl Workers {
         // the steps before it were checkpointed only after their results were verified
         // (an approval only after it was given), so they are kept, not paid for again.
         // Steps run in order, so no earlier generation holds a step after the doubt.
-        let done: Vec<(String, serde_json::Value, i32)> = sqlx::query_as(
-            "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
-             WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
-        )
-        .bind(claim.task_id)
-        .bind(claim.generation)
-        .fetch_all(&mut *tx)
-        .await?;
+        // A task's first attempt, claimed fresh, has nothing checkpointed: no worker
+        // ran it before, and no earlier attempt or generation exists.
+        let first_run = !claim.takeover && claim.attempt == 1 && claim.generation == 0;
+        let done: Vec<(String, serde_json::Value, i32)> = if first_run && claim.resume_after_step.is_none() {
+            Vec::new()
+        } else {
+            sqlx::query_as(
+                "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
+                 WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
+            )
+            .bind(claim.task_id)
+            .bind(claim.generation)
+            .fetch_all(&mut *tx)
+            .await?
+        };
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {

@@ -179,7 +179,7 @@ impl LifecycleEvents {
         self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
         let changed = !early.is_empty();
         for input in early {
-            row = tasks::apply_unsaved(tx, self.ctx(outbox), &row, input, now).await?;
+            row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         }
         self.held.held().insert(row.task_id, Held { row, changed });
         Ok(())
@@ -359,7 +359,7 @@ impl Handler for LifecycleEvents {
         if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
             health::observe(tx, &self.catalog, grant_id, health, now).await?;
         }
-        self.held.changed(tasks::apply_unsaved(tx, self.ctx(outbox), &row, input, now).await?);
+        self.held.changed(tasks::apply(tx, self.ctx(outbox), &row, input, now).await?);
         Ok(())
     }
 }

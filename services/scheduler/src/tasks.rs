@@ -219,24 +219,11 @@ pub async fn unfinished_by_state(pool: &sqlx::PgPool) -> Result<Vec<(TaskState, 
         .collect())
 }
 
-/// Applies `input` to a locked row, stores it, carries out the effects and
-/// publishes the status if anything visible changed. Returns the row as saved.
+/// Applies `input` to a locked row, carries out the effects and publishes the
+/// status if anything visible changed. Returns the row as it now stands, for the
+/// caller to store before its transaction commits ([`save_all`]): a batch or a
+/// round stores each task once, however many inputs it applied.
 pub async fn apply(
-    tx: &mut PgConnection,
-    ctx: Context<'_>,
-    row: &TaskRow,
-    input: Input,
-    now: Micros,
-) -> Result<TaskRow, fenceline_bus::Error> {
-    let next = apply_unsaved(tx, ctx, row, input, now).await?;
-    save(tx, ctx, next.task_id, &next.kind, &next.lifecycle, next.version).await?;
-    Ok(next)
-}
-
-/// As [`apply`], leaving the row to be stored by the caller before its
-/// transaction commits ([`save_all`]): a batch stores each task once, however
-/// many of its events it applied.
-pub async fn apply_unsaved(
     tx: &mut PgConnection,
     ctx: Context<'_>,
     row: &TaskRow,
@@ -276,35 +263,6 @@ fn count_policy_resends(catalog: &Catalog, row: &TaskRow, task: &Task) {
             fenceline_telemetry::metrics::global().scheduler.policy_resent(provider, step, u64::from(made - before));
         }
     }
-}
-
-/// Stores the lifecycle; a due time wakes the dispatchers when the transaction commits.
-pub async fn save(
-    tx: &mut PgConnection,
-    ctx: Context<'_>,
-    task_id: TaskId,
-    kind: &str,
-    task: &Task,
-    version: i64,
-) -> Result<(), sqlx::Error> {
-    // The provider column is the one the task's next attempt takes a slot of: the
-    // dispatcher passes over the tasks of full providers by it.
-    let provider = ctx.catalog.kind(kind).and_then(|k| k.slot_provider_after(task.resume_after_step.as_deref()));
-    sqlx::query(
-        "WITH saved AS (UPDATE tasks SET lifecycle = $2, state = $3, due_at_us = $4, version = $5, \
-         provider = coalesce($6, provider), updated_at = now() WHERE task_id = $1 RETURNING due_at_us) \
-         SELECT pg_notify($7, '') FROM saved WHERE due_at_us IS NOT NULL",
-    )
-    .bind(task_id.as_uuid())
-    .bind(sqlx::types::Json(task))
-    .bind(task.state.as_str())
-    .bind(due_at(task))
-    .bind(version)
-    .bind(provider)
-    .bind(ctx.channel)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
 }
 
 /// Stores the lifecycles of `rows`, each locked by this transaction, with one

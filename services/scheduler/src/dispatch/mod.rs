@@ -18,7 +18,7 @@ use std::time::Duration;
 use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::admission::{Call, Candidate, Fact, HeldBack, Learnt, Round, Verdict};
-use fenceline_domain::ids::GrantId;
+use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::lifecycle::{Input, Micros};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -70,6 +70,16 @@ struct Committed {
     grants: Vec<Granted>,
     /// Per task acted on, how long after its due instant, in seconds.
     lateness: Vec<f64>,
+    /// The rows the round changed, locked until it commits and stored once before
+    /// then ([`tasks::save_all`]): until that, the table still shows each as due,
+    /// so a later page of heads must pass over them.
+    changed: Vec<TaskRow>,
+}
+
+impl Committed {
+    fn changed(&self, task_id: TaskId) -> bool {
+        self.changed.iter().any(|row| row.task_id == task_id)
+    }
 }
 
 impl Dispatcher {
@@ -138,6 +148,7 @@ impl Dispatcher {
         let mut round = Round::at(now);
         let mut committed = Committed::default();
         let ends = tasks::Ends::default();
+        let statuses = tasks::StatusBatch::default();
         // Providers whose tasks cannot be granted this round; a full page of heads
         // for them must not hide the due tasks of other providers.
         let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
@@ -146,10 +157,13 @@ impl Dispatcher {
             let whole_page = heads.len() as i64 == limit;
             let excluded_before = excluded.len();
             for head in heads {
-                if excluded.contains(&head.provider) || rate_blocked.contains_key(&head.provider) {
+                if excluded.contains(&head.provider)
+                    || rate_blocked.contains_key(&head.provider)
+                    || committed.changed(head.task_id)
+                {
                     continue;
                 }
-                match self.try_grant(&mut tx, &mut round, &ends, &head, &mut committed.lateness).await? {
+                match self.try_grant(&mut tx, &mut round, (&ends, &statuses), &head, &mut committed).await? {
                     Tried::Granted(granted) => committed.grants.push(granted),
                     Tried::HeldBack(HeldBack::ProviderFull(full)) => excluded.push(full),
                     Tried::HeldBack(HeldBack::RateLimited(limited, until)) => {
@@ -171,6 +185,8 @@ impl Dispatcher {
         store::move_turns(&mut tx, &tenants, now).await?;
         let buckets: Vec<(&str, f64, Micros)> = round.buckets_taken().collect();
         store::write_buckets(&mut tx, &buckets).await?;
+        tasks::save_all(&mut tx, self.context(&ends, &statuses), &committed.changed).await?;
+        statuses.flush(&mut tx, &self.outbox).await?;
         tx.commit().await?;
         ends.observe();
         let metrics = &fenceline_telemetry::metrics::global().scheduler;
@@ -200,9 +216,9 @@ impl Dispatcher {
         &self,
         tx: &mut PgConnection,
         round: &mut Round,
-        ends: &tasks::Ends,
+        (ends, statuses): (&tasks::Ends, &tasks::StatusBatch),
         head: &Head,
-        lateness: &mut Vec<f64>,
+        committed: &mut Committed,
     ) -> Result<Tried, fenceline_bus::Error> {
         let now = round.now();
         let Some(row) = tasks::lock_if_due(tx, head.task_id, now).await? else {
@@ -214,17 +230,10 @@ impl Dispatcher {
         span.follows_from(tracing::Span::current().id());
         fenceline_telemetry::continue_trace(&span, row.traceparent.as_deref());
         fenceline_telemetry::record_trace_id(&span);
-        let ctx = Context {
-            outbox: &self.outbox,
-            catalog: &self.catalog,
-            settings: &self.settings,
-            channel: &self.channel,
-            statuses: None,
-            ends,
-        };
+        let ctx = self.context(ends, statuses);
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
-            tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await?;
-            lateness.extend(late);
+            committed.changed.push(tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await?);
+            committed.lateness.extend(late);
             return Ok(Tried::Skipped);
         }
         let Some(candidate) = self.candidate(&row) else {
@@ -253,23 +262,38 @@ impl Dispatcher {
                 Verdict::Grant(takes) => break takes,
                 Verdict::Hold { why, reason } => {
                     if let Some(reason) = reason {
-                        tasks::apply(tx, ctx, &row, Input::Held { reason }, now).instrument(span).await?;
+                        let held = tasks::apply(tx, ctx, &row, Input::Held { reason }, now);
+                        committed.changed.push(held.instrument(span).await?);
                     }
                     return Ok(Tried::HeldBack(why));
                 }
             }
         };
-        let lifecycle = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
+        let granted = tasks::apply(tx, ctx, &row, Input::Grant { grant_id: GrantId::new_v7() }, now)
             .instrument(span.clone())
-            .await?
-            .lifecycle;
+            .await?;
+        let lifecycle = granted.lifecycle.clone();
+        committed.changed.push(granted);
         let Some(grant_id) = lifecycle.live_grant.filter(|live| Some(*live) != row.lifecycle.live_grant) else {
             return Ok(Tried::Skipped);
         };
         round.book(&candidate, takes);
-        lateness.extend(late);
+        committed.lateness.extend(late);
         let provider = candidate.calls.first().map(|call| call.provider.to_owned()).unwrap_or_default();
         Ok(Tried::Granted(Granted { span, attempt: lifecycle.attempt, grant_id, provider }))
+    }
+
+    /// What a round's transaction applies the lifecycle with: its statuses gathered,
+    /// one per task, and appended when it ends.
+    fn context<'a>(&'a self, ends: &'a tasks::Ends, statuses: &'a tasks::StatusBatch) -> Context<'a> {
+        Context {
+            outbox: &self.outbox,
+            catalog: &self.catalog,
+            settings: &self.settings,
+            channel: &self.channel,
+            statuses: Some(statuses),
+            ends,
+        }
     }
 
     /// The task as admission sees it, or `None` where this instance's catalogue does

@@ -199,7 +199,8 @@ async fn a_saved_lifecycle_writes_its_state_timer_version_and_provider_and_wakes
     let mut waiting = Task::accepted(ACCEPTED_AT, Some(timer), Some(deadline));
     waiting.state = TaskState::Waiting;
     let mut tx = db.pool.begin().await.expect("begin");
-    save(&mut tx, ctx, task_id, "image.caption", &waiting, 4).await.expect("save");
+    let row = lock(&mut tx, task_id).await.expect("lock").expect("the task");
+    save_all(&mut tx, ctx, &[TaskRow { lifecycle: waiting.clone(), version: 4, ..row }]).await.expect("save");
     tx.commit().await.expect("commit");
     assert_eq!(stored(&db.pool, task_id).await, ("waiting".into(), Some(deadline), 4, Some("img".into())));
     let woken = tokio::time::timeout(std::time::Duration::from_secs(5), listener.recv()).await;
@@ -214,7 +215,8 @@ async fn a_saved_lifecycle_writes_its_state_timer_version_and_provider_and_wakes
     let mut done = waiting.clone();
     (done.state, done.due_at, done.deadline) = (TaskState::Failed, None, None);
     let mut tx = db.pool.begin().await.expect("begin");
-    save(&mut tx, ctx, task_id, "gone.kind", &done, 5).await.expect("save");
+    let row = lock(&mut tx, task_id).await.expect("lock").expect("the task");
+    save_all(&mut tx, ctx, &[TaskRow { lifecycle: done, version: 5, ..row }]).await.expect("save");
     tx.commit().await.expect("commit");
     assert_eq!(stored(&db.pool, task_id).await, ("failed".into(), None, 5, Some("img".into())));
     let lifecycle: sqlx::types::Json<Task> = sqlx::query_scalar("SELECT lifecycle FROM tasks WHERE task_id = $1")
@@ -248,6 +250,7 @@ async fn a_grant_takes_a_slot_at_every_provider_it_calls_and_its_end_gives_them_
     let mut tx = db.pool.begin().await.expect("begin");
     let row = lock(&mut tx, task_id).await.expect("lock").expect("the task");
     let granted = apply(&mut tx, ctx, &row, Input::Grant { grant_id }, now).await.expect("grant");
+    save_all(&mut tx, ctx, std::slice::from_ref(&granted)).await.expect("save");
     tx.commit().await.expect("commit");
     assert_eq!((granted.lifecycle.attempt, granted.lifecycle.live_grant), (1, Some(grant_id)));
     assert_eq!(granted.version, 4, "a visible change publishes a new version");
@@ -267,6 +270,7 @@ async fn a_grant_takes_a_slot_at_every_provider_it_calls_and_its_end_gives_them_
     let mut tx = db.pool.begin().await.expect("begin");
     let row = lock(&mut tx, task_id).await.expect("lock").expect("the task");
     let done = apply(&mut tx, ctx, &row, Input::Succeeded { grant_id, result }, now + 1_000_000).await.expect("end");
+    save_all(&mut tx, ctx, std::slice::from_ref(&done)).await.expect("save");
     tx.commit().await.expect("commit");
     assert_eq!(done.lifecycle.state, TaskState::Succeeded);
     assert_eq!(stored(&db.pool, task_id).await, ("succeeded".into(), None, 5, Some("img".into())));

@@ -245,22 +245,35 @@ impl<H: Handler> Processor<H> {
         self.handler.discard();
         let mut tx = self.shared().pool.begin().await?;
         let mut applied = Applied::default();
+        // The progress rows of every partition in the batch, locked in one statement,
+        // in (topic, partition) order as the batch is applied: instances that share
+        // partitions lock them in one order.
+        let (topics, partitions): (Vec<&str>, Vec<i32>) =
+            by_partition.keys().map(|(topic, partition)| (topic.as_str(), *partition)).unzip();
+        let stored: Vec<(String, i32, i64, Option<i64>)> = sqlx::query_as(
+            "SELECT c.topic, c.partition, c.epoch, c.next_offset FROM consumer_partitions c \
+             JOIN unnest($2::text[], $3::int[]) AS b (topic, partition) \
+               ON c.topic = b.topic AND c.partition = b.partition \
+             WHERE c.consumer_group = $1 ORDER BY c.topic, c.partition FOR UPDATE OF c",
+        )
+        .bind(&self.shared().spec.group)
+        .bind(&topics)
+        .bind(&partitions)
+        .fetch_all(&mut *tx)
+        .await?;
+        let stored: HashMap<(String, i32), StoredProgress> = stored
+            .into_iter()
+            .map(|(topic, partition, epoch, next)| {
+                ((topic, partition), StoredProgress { epoch, next_offset: next.unwrap_or(0) })
+            })
+            .collect();
+        let mut advanced: Vec<(String, i32, i64, i64)> = Vec::new();
         for ((topic, partition), messages) in by_partition {
             let Some(&my_epoch) = owned.get(&(topic.clone(), partition)) else { continue };
-            let stored: Option<(i64, Option<i64>)> = sqlx::query_as(
-                "SELECT epoch, next_offset FROM consumer_partitions \
-                 WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR UPDATE",
-            )
-            .bind(&self.shared().spec.group)
-            .bind(&topic)
-            .bind(partition)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some((epoch, next_offset)) = stored else {
+            let Some(&stored) = stored.get(&(topic.clone(), partition)) else {
                 warn!(topic, partition, "no progress row for an owned partition; skipping its records");
                 continue;
             };
-            let stored = StoredProgress { epoch, next_offset: next_offset.unwrap_or(0) };
             let offsets: Vec<i64> = messages.iter().map(|m| m.offset()).collect();
             match plan_batch(stored, my_epoch, &offsets) {
                 BatchPlan::Fenced { mine, current } => {
@@ -283,21 +296,36 @@ impl<H: Handler> Processor<H> {
                     applied.handled +=
                         self.apply_records(&mut tx, &topic, partition, &to_apply, condemned, savepoints).await?;
                     if !to_apply.is_empty() {
-                        sqlx::query(
-                            "UPDATE consumer_partitions SET next_offset = $5, updated_at = now() \
-                             WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND epoch = $4",
-                        )
-                        .bind(&self.shared().spec.group)
-                        .bind(&topic)
-                        .bind(partition)
-                        .bind(my_epoch)
-                        .bind(next_offset)
-                        .execute(&mut *tx)
-                        .await?;
-                        applied.progress.push((topic, partition, next_offset - 1));
+                        advanced.push((topic, partition, my_epoch, next_offset));
                     }
                 }
             }
+        }
+        // Every partition's progress advanced in one statement, each guarded by the
+        // epoch it was locked with.
+        if !advanced.is_empty() {
+            let (mut topics, mut partitions, mut epochs, mut next_offsets) = (vec![], vec![], vec![], vec![]);
+            for (topic, partition, epoch, next_offset) in &advanced {
+                topics.push(topic.as_str());
+                partitions.push(*partition);
+                epochs.push(*epoch);
+                next_offsets.push(*next_offset);
+            }
+            sqlx::query(
+                "UPDATE consumer_partitions c SET next_offset = a.next_offset, updated_at = now() \
+                 FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[]) AS a (topic, partition, epoch, next_offset) \
+                 WHERE c.consumer_group = $1 AND c.topic = a.topic AND c.partition = a.partition AND c.epoch = a.epoch",
+            )
+            .bind(&self.shared().spec.group)
+            .bind(&topics)
+            .bind(&partitions)
+            .bind(&epochs)
+            .bind(&next_offsets)
+            .execute(&mut *tx)
+            .await?;
+            applied
+                .progress
+                .extend(advanced.into_iter().map(|(topic, partition, _, next)| (topic, partition, next - 1)));
         }
         if !savepoints {
             match self.handler.flush(&mut tx, &self.outbox).await {

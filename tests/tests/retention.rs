@@ -203,17 +203,22 @@ async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open
 
 const EXECUTOR_TABLES: [&str; 3] = ["executions", "checkpoints", "call_sequences"];
 
+/// How long the executor's consumers remember an event id (the bus's dedupe window).
+const SEVEN_DAYS: Duration = Duration::from_secs(7 * 86_400);
+
 /// An executed task in the executor's tables: one execution in `execution_status`,
-/// a checkpoint and a call sequence.
-async fn executed_task(pool: &sqlx::PgPool, execution_status: &str) -> TaskId {
+/// recorded (its grant applied) `recorded_days_ago`, a checkpoint and a call sequence.
+async fn executed_task(pool: &sqlx::PgPool, execution_status: &str, recorded_days_ago: i32) -> TaskId {
     let id = TaskId::new_v7();
     sqlx::query(
         "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, provider, \
-         lease_budget_ms, status) VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'img', 1000, $3)",
+         lease_budget_ms, status, created_at) VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'img', 1000, $3, \
+         now() - make_interval(days => $4))",
     )
     .bind(uuid::Uuid::now_v7())
     .bind(id.as_uuid())
     .bind(execution_status)
+    .bind(recorded_days_ago)
     .execute(pool)
     .await
     .expect("execution");
@@ -259,12 +264,15 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
     let pool = &executor.pool;
 
-    let finished_old = executed_task(pool, "succeeded").await;
-    let never_final = executed_task(pool, "lost").await;
-    let no_status = executed_task(pool, "failed").await;
-    let reopened = executed_task(pool, "released").await;
-    let finished_recent = executed_task(pool, "succeeded").await;
-    let still_running = executed_task(pool, "running").await;
+    let finished_old = executed_task(pool, "succeeded", 45).await;
+    let never_final = executed_task(pool, "lost", 90).await;
+    let no_status = executed_task(pool, "failed", 60).await;
+    let reopened = executed_task(pool, "released", 60).await;
+    let finished_recent = executed_task(pool, "succeeded", 4).await;
+    let still_running = executed_task(pool, "running", 60).await;
+    // Its grant was applied after its status was final (a consumer far behind): a
+    // copy of the grant re-sent within the dedupe window must find the execution.
+    let granted_late = executed_task(pool, "succeeded", 2).await;
     let events = vec![
         status(finished_old, TaskState::Running, 1, 45),
         status(finished_old, TaskState::Succeeded, 2, 40),
@@ -275,6 +283,7 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
         status(finished_old, TaskState::Running, 1, 45),
         status(finished_recent, TaskState::Cancelled, 2, 3),
         status(still_running, TaskState::Failed, 2, 60),
+        status(granted_late, TaskState::Cancelled, 2, 40),
     ];
     let shutdown = CancellationToken::new();
     let _guard = shutdown.clone().drop_guard();
@@ -284,7 +293,8 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let consumer = status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown);
     wait_consumed(&consumer.stats(), events.len() as u64).await;
 
-    let purged = fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, 1).await.expect("purge");
+    let purged =
+        fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, SEVEN_DAYS, 1).await.expect("purge");
     assert_eq!(purged, 1, "only the task final for over 30 days, with nothing left to run");
     assert_eq!(
         count_rows(pool, &EXECUTOR_TABLES, finished_old.as_uuid()).await,
@@ -298,6 +308,7 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
         (reopened, "a task open again after a final status keeps them"),
         (finished_recent, "a task final for less than the retention keeps them"),
         (still_running, "a task with an execution still running keeps them"),
+        (granted_late, "a task with a grant applied within the dedupe window keeps them"),
     ] {
         assert_eq!(count_rows(pool, &EXECUTOR_TABLES, kept.as_uuid()).await, 3, "{why}");
     }

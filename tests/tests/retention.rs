@@ -383,3 +383,79 @@ async fn a_purged_task_gets_a_tombstone_on_the_status_topic_that_every_consumer_
         assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0, "the tombstone is not dead-lettered");
     }
 }
+
+/// How many rows of `table` this transaction updated, and how many of those in
+/// place (HOT: no new index entry).
+async fn updated_in_place(tx: &mut sqlx::PgConnection, table: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated($1::regclass), pg_stat_get_xact_tuples_hot_updated($1::regclass)",
+    )
+    .bind(table)
+    .fetch_one(tx)
+    .await
+    .expect("the transaction's update counts")
+}
+
+/// What the retention finds finished rows by is set once, when a row becomes final:
+/// a save of an open task, which sets `updated_at`, is written in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saves_of_open_tasks_are_written_in_place_and_only_the_final_one_is_indexed() {
+    let url = fresh_database().await;
+    let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
+    let intake = service_database(&url, fenceline_intake::NAME, &fenceline_intake::MIGRATOR).await;
+    let task = scheduler_task(&scheduler.pool, "running", 0).await;
+
+    // The scheduler's saves of a running task: its lifecycle, version and time.
+    let mut tx = scheduler.pool.begin().await.expect("begin");
+    for version in 1..=5 {
+        sqlx::query(
+            "UPDATE tasks SET lifecycle = jsonb_build_object('v', $2), version = $2, \
+             updated_at = now() + make_interval(secs => $2) WHERE task_id = $1",
+        )
+        .bind(task)
+        .bind(version)
+        .execute(&mut *tx)
+        .await
+        .expect("save");
+    }
+    assert_eq!(updated_in_place(&mut tx, "tasks").await, (5, 5), "every save of an open task is in place");
+    sqlx::query(
+        "UPDATE tasks SET state = 'succeeded', version = 6, updated_at = now() + interval '6 s' WHERE task_id = $1",
+    )
+    .bind(task)
+    .execute(&mut *tx)
+    .await
+    .expect("final save");
+    tx.commit().await.expect("commit");
+    let finished: bool = sqlx::query_scalar("SELECT finished_at = updated_at FROM tasks WHERE task_id = $1")
+        .bind(task)
+        .fetch_one(&scheduler.pool)
+        .await
+        .expect("finished_at");
+    assert!(finished, "the final save sets the time the retention goes by");
+
+    // Intake's read model: each newer snapshot of an open task, its state and phase too.
+    let mut tx = intake.pool.begin().await.expect("begin");
+    sqlx::query(
+        "INSERT INTO task_view (task_id, tenant, kind, state, attempt, updated_at, version) \
+         VALUES ($1, 'acme', 'image.generate', 'queued', 0, now(), 1)",
+    )
+    .bind(task)
+    .execute(&mut *tx)
+    .await
+    .expect("snapshot");
+    for (version, state, phase) in [(2, "running", "claimed"), (3, "running", "calling"), (4, "waiting", "retrying")] {
+        sqlx::query(
+            "UPDATE task_view SET state = $2, phase = $3, attempt = 1, version = $4, \
+             updated_at = now() + make_interval(secs => $4) WHERE task_id = $1",
+        )
+        .bind(task)
+        .bind(state)
+        .bind(phase)
+        .bind(version)
+        .execute(&mut *tx)
+        .await
+        .expect("newer snapshot");
+    }
+    assert_eq!(updated_in_place(&mut tx, "task_view").await, (3, 3), "every snapshot of an open task is in place");
+}

@@ -148,7 +148,7 @@ impl Handler for GrantRecorder {
         if gathered.is_empty() {
             return Ok(());
         }
-        let text = |f: fn(&Gathered) -> &str| gathered.iter().map(|k| f(k).to_owned()).collect::<Vec<_>>();
+        let text = |f: fn(&Gathered) -> &str| gathered.iter().map(f).collect::<Vec<_>>();
         let inserted: Vec<uuid::Uuid> = sqlx::query_scalar(
             "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, \
              resume_after_step, provider, deadline_us, lease_budget_ms, traceparent, cancel_requested) \
@@ -163,11 +163,11 @@ impl Handler for GrantRecorder {
         .bind(gathered.iter().map(|k| k.grant.generation).collect::<Vec<_>>())
         .bind(text(|k| &k.grant.kind))
         .bind(text(|k| &k.grant.input_json))
-        .bind(gathered.iter().map(|k| k.grant.resume_after_step.clone()).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.grant.resume_after_step.as_deref()).collect::<Vec<_>>())
         .bind(text(|k| &k.grant.provider))
         .bind(gathered.iter().map(|k| k.grant.deadline.map(|d| d.0)).collect::<Vec<_>>())
         .bind(gathered.iter().map(|k| k.grant.lease_budget_ms).collect::<Vec<_>>())
-        .bind(gathered.iter().map(|k| k.traceparent.clone()).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.traceparent.as_deref()).collect::<Vec<_>>())
         .bind(gathered.iter().map(|k| k.cancel_requested).collect::<Vec<_>>())
         .fetch_all(&mut *tx)
         .await?;

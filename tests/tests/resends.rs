@@ -215,4 +215,8 @@ async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charge
     }
     assert_eq!(system.provider("gen").charges().await, charges, "nothing was charged again");
     assert!(system.count_lines("duplicate event skipped") > 0, "the remembered events were skipped");
+    // Grants are not remembered: each copy reached the executor and inserted nothing.
+    let granted = published(&system, "scheduler", &["AttemptGranted"]).await;
+    let copies = system.count_lines("grant already recorded; a re-issue runs nothing twice");
+    assert!(copies as i64 >= granted, "every grant sent again found its execution ({copies} of {granted} grants)");
 }

@@ -44,6 +44,20 @@ async fn counters(pool: &sqlx::PgPool) -> Counters {
     Counters { at: Instant::now(), commits, rollbacks, xids, wal_bytes }
 }
 
+/// Rows inserted, updated (and of those, updated in place: HOT) and deleted in each
+/// service table, keyed `schema.table`.
+async fn row_writes(pool: &sqlx::PgPool) -> std::collections::BTreeMap<String, [i64; 4]> {
+    let rows: Vec<(String, i64, i64, i64, i64)> = sqlx::query_as(
+        "SELECT schemaname || '.' || relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del \
+         FROM pg_stat_user_tables WHERE schemaname = ANY($1)",
+    )
+    .bind(SERVICES)
+    .fetch_all(pool)
+    .await
+    .expect("read the tables' row counters");
+    rows.into_iter().map(|(table, ins, upd, hot, del)| (table, [ins, upd, hot, del])).collect()
+}
+
 /// How long a backend may hold back its statistics (PostgreSQL's idle flush interval).
 const STATS_SETTLE: Duration = Duration::from_secs(11);
 
@@ -166,6 +180,7 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
 
     // What the idle system commits on its own (relays, periodic work).
     let idle_start = counters(&system.pool).await;
+    let rows_before = row_writes(&system.pool).await;
     tokio::time::sleep(STATS_SETTLE).await;
     let idle_end = counters(&system.pool).await;
     let idle_secs = idle_end.at.duration_since(idle_start.at).as_secs_f64();
@@ -178,6 +193,7 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
     let busy = started.elapsed();
     tokio::time::sleep(STATS_SETTLE).await;
     let end = counters(&system.pool).await;
+    let rows_after = row_writes(&system.pool).await;
 
     let secs = end.at.duration_since(idle_end.at).as_secs_f64();
     // The test's own reads: its polls and this last read.
@@ -204,6 +220,23 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
             per_task(after.logged, before.logged),
             per_task(after.commits, before.commits),
             per_task(after.savepoints, before.savepoints),
+        );
+    }
+    // Row writes per table (the idle window's included): an update that changes no
+    // indexed column and finds room on its page is HOT, and writes no index entry.
+    for (table, after) in &rows_after {
+        let before = rows_before.get(table).copied().unwrap_or_default();
+        let [ins, upd, hot, del] = [0, 1, 2, 3].map(|i| after[i] - before[i]);
+        if ins + upd + del == 0 {
+            continue;
+        }
+        let per_task = |n: i64| n as f64 / tasks as f64;
+        println!(
+            "  {table:<34} {:>5.2} inserted, {:>5.2} updated ({:>5.2} HOT), {:>5.2} deleted per task",
+            per_task(ins),
+            per_task(upd),
+            per_task(hot),
+            per_task(del),
         );
     }
     assert!(

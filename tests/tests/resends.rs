@@ -178,6 +178,12 @@ async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charge
     // What is remembered by its id: only what could do harm applied twice.
     assert_eq!(remembered(&system, "intake", "intake.status").await, 0, "status snapshots are not remembered");
     assert_eq!(remembered(&system, "executor", "executor.status").await, 0, "nor by the executor");
+    assert_eq!(
+        remembered(&system, "executor", "executor.grants").await,
+        0,
+        "a grant is kept by its id in the execution it makes, which outlives the dedupe window"
+    );
+    assert!(published(&system, "scheduler", &["AttemptGranted"]).await >= 5, "every task was granted");
     let ends = ["AttemptSucceeded", "AttemptFailed", "AttemptReleased", "AttemptLost"];
     assert_eq!(
         remembered(&system, "intake", "intake.attempts").await,
@@ -209,4 +215,8 @@ async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charge
     }
     assert_eq!(system.provider("gen").charges().await, charges, "nothing was charged again");
     assert!(system.count_lines("duplicate event skipped") > 0, "the remembered events were skipped");
+    // Grants are not remembered: each copy reached the executor and inserted nothing.
+    let granted = published(&system, "scheduler", &["AttemptGranted"]).await;
+    let copies = system.count_lines("grant already recorded; a re-issue runs nothing twice");
+    assert!(copies as i64 >= granted, "every grant sent again found its execution ({copies} of {granted} grants)");
 }

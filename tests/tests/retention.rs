@@ -203,17 +203,22 @@ async fn the_scheduler_purges_finished_tasks_past_their_retention_and_keeps_open
 
 const EXECUTOR_TABLES: [&str; 3] = ["executions", "checkpoints", "call_sequences"];
 
+/// How long the executor's consumers remember an event id (the bus's dedupe window).
+const SEVEN_DAYS: Duration = Duration::from_secs(7 * 86_400);
+
 /// An executed task in the executor's tables: one execution in `execution_status`,
-/// a checkpoint and a call sequence.
-async fn executed_task(pool: &sqlx::PgPool, execution_status: &str) -> TaskId {
+/// recorded (its grant applied) `recorded_days_ago`, a checkpoint and a call sequence.
+async fn executed_task(pool: &sqlx::PgPool, execution_status: &str, recorded_days_ago: i32) -> TaskId {
     let id = TaskId::new_v7();
     sqlx::query(
         "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, provider, \
-         lease_budget_ms, status) VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'img', 1000, $3)",
+         lease_budget_ms, status, created_at) VALUES ($1, $2, 'acme', 1, 0, 'image.generate', '{}', 'img', 1000, $3, \
+         now() - make_interval(days => $4))",
     )
     .bind(uuid::Uuid::now_v7())
     .bind(id.as_uuid())
     .bind(execution_status)
+    .bind(recorded_days_ago)
     .execute(pool)
     .await
     .expect("execution");
@@ -259,11 +264,14 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
     let pool = &executor.pool;
 
-    let finished_old = executed_task(pool, "succeeded").await;
-    let never_final = executed_task(pool, "lost").await;
-    let no_status = executed_task(pool, "failed").await;
-    let finished_recent = executed_task(pool, "succeeded").await;
-    let still_running = executed_task(pool, "running").await;
+    let finished_old = executed_task(pool, "succeeded", 45).await;
+    let never_final = executed_task(pool, "lost", 90).await;
+    let no_status = executed_task(pool, "failed", 60).await;
+    let finished_recent = executed_task(pool, "succeeded", 4).await;
+    let still_running = executed_task(pool, "running", 60).await;
+    // Its grant was applied after its status was final (a consumer far behind): a
+    // copy of the grant re-sent within the dedupe window must find the execution.
+    let granted_late = executed_task(pool, "succeeded", 2).await;
     let events = vec![
         status(finished_old, TaskState::Running, 1, 45),
         status(finished_old, TaskState::Succeeded, 2, 40),
@@ -272,6 +280,7 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
         status(finished_old, TaskState::Running, 1, 45),
         status(finished_recent, TaskState::Cancelled, 2, 3),
         status(still_running, TaskState::Failed, 2, 60),
+        status(granted_late, TaskState::Cancelled, 2, 40),
     ];
     let shutdown = CancellationToken::new();
     let _guard = shutdown.clone().drop_guard();
@@ -281,7 +290,8 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let consumer = status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown);
     wait_consumed(&consumer.stats(), events.len() as u64).await;
 
-    let purged = fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, 1).await.expect("purge");
+    let purged =
+        fenceline_executor::retention::purge_finished_tasks(pool, THIRTY_DAYS, SEVEN_DAYS, 1).await.expect("purge");
     assert_eq!(purged, 1, "only the task final for over 30 days, with nothing left to run");
     assert_eq!(
         count_rows(pool, &EXECUTOR_TABLES, finished_old.as_uuid()).await,
@@ -296,6 +306,7 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
         (no_status, "a task whose status never arrived keeps them"),
         (finished_recent, "a task final for less than the retention keeps them"),
         (still_running, "a task with an execution still running keeps them"),
+        (granted_late, "a task with a grant applied within the dedupe window keeps them"),
     ] {
         assert_eq!(count_rows(pool, &EXECUTOR_TABLES, kept.as_uuid()).await, 3, "{why}");
     }
@@ -369,4 +380,80 @@ async fn a_purged_task_gets_a_tombstone_on_the_status_topic_that_every_consumer_
         assert_eq!(stats.applied.load(Ordering::Relaxed), 1, "the snapshot is applied");
         assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0, "the tombstone is not dead-lettered");
     }
+}
+
+/// How many rows of `table` this transaction updated, and how many of those in
+/// place (HOT: no new index entry).
+async fn updated_in_place(tx: &mut sqlx::PgConnection, table: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated($1::regclass), pg_stat_get_xact_tuples_hot_updated($1::regclass)",
+    )
+    .bind(table)
+    .fetch_one(tx)
+    .await
+    .expect("the transaction's update counts")
+}
+
+/// What the retention finds finished rows by is set once, when a row becomes final:
+/// a save of an open task, which sets `updated_at`, is written in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saves_of_open_tasks_are_written_in_place_and_only_the_final_one_is_indexed() {
+    let url = fresh_database().await;
+    let scheduler = service_database(&url, fenceline_scheduler::NAME, &fenceline_scheduler::MIGRATOR).await;
+    let intake = service_database(&url, fenceline_intake::NAME, &fenceline_intake::MIGRATOR).await;
+    let task = scheduler_task(&scheduler.pool, "running", 0).await;
+
+    // The scheduler's saves of a running task: its lifecycle, version and time.
+    let mut tx = scheduler.pool.begin().await.expect("begin");
+    for version in 1..=5 {
+        sqlx::query(
+            "UPDATE tasks SET lifecycle = jsonb_build_object('v', $2), version = $2, \
+             updated_at = now() + make_interval(secs => $2) WHERE task_id = $1",
+        )
+        .bind(task)
+        .bind(version)
+        .execute(&mut *tx)
+        .await
+        .expect("save");
+    }
+    assert_eq!(updated_in_place(&mut tx, "tasks").await, (5, 5), "every save of an open task is in place");
+    sqlx::query(
+        "UPDATE tasks SET state = 'succeeded', version = 6, updated_at = now() + interval '6 s' WHERE task_id = $1",
+    )
+    .bind(task)
+    .execute(&mut *tx)
+    .await
+    .expect("final save");
+    tx.commit().await.expect("commit");
+    let finished: bool = sqlx::query_scalar("SELECT finished_at = updated_at FROM tasks WHERE task_id = $1")
+        .bind(task)
+        .fetch_one(&scheduler.pool)
+        .await
+        .expect("finished_at");
+    assert!(finished, "the final save sets the time the retention goes by");
+
+    // Intake's read model: each newer snapshot of an open task, its state and phase too.
+    let mut tx = intake.pool.begin().await.expect("begin");
+    sqlx::query(
+        "INSERT INTO task_view (task_id, tenant, kind, state, attempt, updated_at, version) \
+         VALUES ($1, 'acme', 'image.generate', 'queued', 0, now(), 1)",
+    )
+    .bind(task)
+    .execute(&mut *tx)
+    .await
+    .expect("snapshot");
+    for (version, state, phase) in [(2, "running", "claimed"), (3, "running", "calling"), (4, "waiting", "retrying")] {
+        sqlx::query(
+            "UPDATE task_view SET state = $2, phase = $3, attempt = 1, version = $4, \
+             updated_at = now() + make_interval(secs => $4) WHERE task_id = $1",
+        )
+        .bind(task)
+        .bind(state)
+        .bind(phase)
+        .bind(version)
+        .execute(&mut *tx)
+        .await
+        .expect("newer snapshot");
+    }
+    assert_eq!(updated_in_place(&mut tx, "task_view").await, (3, 3), "every snapshot of an open task is in place");
 }

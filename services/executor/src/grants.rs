@@ -2,6 +2,11 @@
 //! (deduplicated by grant id, so a re-issued grant runs once) and each cooperative
 //! cancellation. The table carries the truth; workers claim from it, the grants
 //! this process recorded by their ids ([`Handed`]).
+//!
+//! A batch's grants are gathered and inserted by one statement before it commits
+//! ([`Handler::flush`]). A grant is not remembered by its event id: its execution,
+//! keyed by the grant id, is the memory, and the retention keeps it for at least
+//! the bus's dedupe window after it was recorded (docs/decisions.md, entry 46).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -51,6 +56,16 @@ impl Handed {
     }
 }
 
+/// One grant gathered for the batch's insert.
+#[derive(Debug)]
+struct Gathered {
+    grant: fenceline_events::AttemptGranted,
+    /// The trace of the handler's span, which the execution joins.
+    traceparent: Option<String>,
+    /// A cancellation of the grant came later in the same batch.
+    cancel_requested: bool,
+}
+
 /// Records grants and cancellations.
 #[derive(Debug, Clone)]
 pub struct GrantRecorder {
@@ -60,6 +75,9 @@ pub struct GrantRecorder {
     /// many idle workers woken, once it commits (a worker woken before the commit
     /// finds nothing to claim).
     recorded: Arc<Mutex<Vec<uuid::Uuid>>>,
+    /// Grants of the batch (or of the event's savepoint) not yet inserted, in the
+    /// order they came, each grant id once.
+    gathered: Arc<Mutex<Vec<Gathered>>>,
     /// Where the workers of this process take grants to claim by id.
     pub handed: Arc<Handed>,
     /// Workers of this process: more are never woken.
@@ -68,7 +86,7 @@ pub struct GrantRecorder {
 
 impl GrantRecorder {
     pub fn new(wake: Arc<Notify>, handed: Arc<Handed>, workers: usize) -> Self {
-        Self { wake, recorded: Arc::default(), handed, workers }
+        Self { wake, recorded: Arc::default(), gathered: Arc::default(), handed, workers }
     }
 }
 
@@ -85,34 +103,22 @@ impl Handler for GrantRecorder {
                     tracing::warn!(grant_id = %g.grant_id, "fault point drops the grant");
                     return Ok(());
                 }
-                let inserted = sqlx::query(
-                    "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, \
-                     resume_after_step, provider, deadline_us, lease_budget_ms, traceparent) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (grant_id) DO NOTHING",
-                )
-                .bind(g.grant_id.as_uuid())
-                .bind(g.task_id.as_uuid())
-                .bind(&g.tenant)
-                .bind(g.attempt)
-                .bind(g.generation)
-                .bind(&g.kind)
-                .bind(&g.input_json)
-                .bind(&g.resume_after_step)
-                .bind(&g.provider)
-                .bind(g.deadline.map(|d| d.0))
-                .bind(g.lease_budget_ms)
-                // The handler's span continues the grant's trace; the execution joins it.
-                .bind(fenceline_telemetry::current_traceparent())
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-                if inserted == 0 {
-                    tracing::info!(grant_id = %g.grant_id, "grant already recorded; a re-issue runs nothing twice");
+                let mut gathered = self.gathered.lock().unwrap_or_else(PoisonError::into_inner);
+                if gathered.iter().any(|k| k.grant.grant_id == g.grant_id) {
+                    tracing::info!(grant_id = %g.grant_id, "grant sent twice in one batch; recorded once");
                 } else {
-                    self.recorded.lock().unwrap_or_else(PoisonError::into_inner).push(g.grant_id.as_uuid());
+                    // The handler's span continues the grant's trace; the execution joins it.
+                    let traceparent = fenceline_telemetry::current_traceparent();
+                    gathered.push(Gathered { grant: g.clone(), traceparent, cancel_requested: false });
                 }
             }
             Event::CancelAttempt(c) => {
+                // A grant of this batch is not inserted yet: it is inserted cancelled.
+                for k in self.gathered.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
+                    if k.grant.grant_id == c.grant_id {
+                        k.cancel_requested = true;
+                    }
+                }
                 sqlx::query("UPDATE executions SET cancel_requested = true WHERE grant_id = $1")
                     .bind(c.grant_id.as_uuid())
                     .execute(&mut *tx)
@@ -123,6 +129,63 @@ impl Handler for GrantRecorder {
             }
         }
         Ok(())
+    }
+
+    /// A grant sent again finds its execution by the grant id and inserts nothing,
+    /// as long as the execution is kept: the retention keeps it for at least the
+    /// dedupe window after it was recorded (`retention::purge_finished_tasks`), the
+    /// window in which its event id would have been remembered. A cancellation only
+    /// turns a flag on, but stays remembered: it is rare, and no copy of it is
+    /// proven harmless by the resends test.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        matches!(event, Event::AttemptGranted(_))
+    }
+
+    /// Inserts the batch's grants in one statement; a grant already recorded (sent
+    /// again) inserts nothing and is not handed to the workers.
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        let gathered = std::mem::take(&mut *self.gathered.lock().unwrap_or_else(PoisonError::into_inner));
+        if gathered.is_empty() {
+            return Ok(());
+        }
+        let text = |f: fn(&Gathered) -> &str| gathered.iter().map(f).collect::<Vec<_>>();
+        let inserted: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "INSERT INTO executions (grant_id, task_id, tenant, attempt, generation, kind, input_json, \
+             resume_after_step, provider, deadline_us, lease_budget_ms, traceparent, cancel_requested) \
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int4[], $5::int4[], $6::text[], \
+             $7::text[], $8::text[], $9::text[], $10::int8[], $11::int8[], $12::text[], $13::bool[]) \
+             ON CONFLICT (grant_id) DO NOTHING RETURNING grant_id",
+        )
+        .bind(gathered.iter().map(|k| k.grant.grant_id.as_uuid()).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.grant.task_id.as_uuid()).collect::<Vec<_>>())
+        .bind(text(|k| &k.grant.tenant))
+        .bind(gathered.iter().map(|k| k.grant.attempt).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.grant.generation).collect::<Vec<_>>())
+        .bind(text(|k| &k.grant.kind))
+        .bind(text(|k| &k.grant.input_json))
+        .bind(gathered.iter().map(|k| k.grant.resume_after_step.as_deref()).collect::<Vec<_>>())
+        .bind(text(|k| &k.grant.provider))
+        .bind(gathered.iter().map(|k| k.grant.deadline.map(|d| d.0)).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.grant.lease_budget_ms).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.traceparent.as_deref()).collect::<Vec<_>>())
+        .bind(gathered.iter().map(|k| k.cancel_requested).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
+        for k in &gathered {
+            let id = k.grant.grant_id.as_uuid();
+            if inserted.contains(&id) {
+                recorded.push(id);
+            } else {
+                tracing::info!(grant_id = %k.grant.grant_id, "grant already recorded; a re-issue runs nothing twice");
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the grants of a batch or savepoint that rolled back.
+    fn discard(&self) {
+        self.gathered.lock().unwrap_or_else(PoisonError::into_inner).clear();
     }
 
     /// Hands the batch's grants to the workers and wakes one idle worker per grant.

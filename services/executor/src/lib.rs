@@ -65,7 +65,9 @@ pub struct ExecutorSettings {
 
     /// How long a task's executions, checkpoints and call sequences are kept after
     /// its status became final (succeeded, failed, cancelled), in days. A task whose
-    /// status is not final keeps them however old (docs/decisions.md, entry 13).
+    /// status is not final keeps them however old (docs/decisions.md, entry 13), and
+    /// none goes before every grant of the task was recorded longer ago than the
+    /// consumers' dedupe window (`FENCELINE_CONSUMER_DEDUP_RETENTION_HOURS`; entry 46).
     #[arg(long = "task-retention-days", env = "FENCELINE_EXECUTOR_TASK_RETENTION_DAYS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub task_retention_days: u32,
@@ -154,10 +156,11 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     }
     let pool = app.base.database.pool.clone();
     let task_retention = settings.task_retention();
+    let grants_remembered = config.service.consumer.dedup_window();
     app.base.spawn_every(std::time::Duration::from_secs(300), move || {
         let pool = pool.clone();
         async move {
-            match retention::purge_finished_tasks(&pool, task_retention, 500).await {
+            match retention::purge_finished_tasks(&pool, task_retention, grants_remembered, 500).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
                 Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),

@@ -48,11 +48,23 @@ impl Handler for StatusProjection {
 /// checkpoints, call sequences and status, `batch` tasks per transaction. Returns
 /// how many tasks went.
 ///
+/// A grant is not remembered by its event id: its execution is what makes a copy
+/// of it insert nothing (docs/decisions.md, entry 46). So a task goes only once
+/// every one of its executions was recorded longer ago than `grants_remembered`
+/// (the bus's dedupe window), however short the retention, and whenever its grant
+/// arrived: a copy re-sent within the window always finds its execution.
+///
 /// `call_sequences` decide the operation key of a step's next call and a
 /// `retry_as_new` reuses earlier generations' checkpoints, so a task that may run
 /// again keeps them however old: one with no final status here, or with an
 /// execution still ready or running, is never purged.
-pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+pub async fn purge_finished_tasks(
+    pool: &PgPool,
+    retention: Duration,
+    grants_remembered: Duration,
+    batch: i64,
+) -> Result<u64, sqlx::Error> {
+    let remembered_us = i64::try_from(grants_remembered.as_micros()).unwrap_or(i64::MAX);
     let cutoff = Timestamp::now().0.saturating_sub(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX));
     let mut purged = 0;
     loop {
@@ -62,11 +74,13 @@ pub async fn purge_finished_tasks(pool: &PgPool, retention: Duration, batch: i64
         let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
             "SELECT s.task_id FROM task_states s WHERE s.state IN ('succeeded', 'failed', 'cancelled') \
              AND s.updated_at_us < $1 AND NOT EXISTS (SELECT 1 FROM executions e \
-             WHERE e.task_id = s.task_id AND e.status IN ('ready', 'running')) \
+             WHERE e.task_id = s.task_id AND (e.status IN ('ready', 'running') \
+             OR e.created_at > now() - make_interval(secs => $3::double precision / 1e6))) \
              ORDER BY s.updated_at_us LIMIT $2 FOR UPDATE OF s SKIP LOCKED",
         )
         .bind(cutoff)
         .bind(batch)
+        .bind(remembered_us)
         .fetch_all(&mut *tx)
         .await?;
         for table in ["executions", "checkpoints", "call_sequences", "task_states"] {

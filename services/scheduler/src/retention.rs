@@ -8,7 +8,8 @@ use fenceline_events::topics;
 use sqlx::PgPool;
 
 /// Deletes the scheduler's rows of tasks in a final state (`succeeded`, `failed`,
-/// `cancelled`) whose last change is older than `retention`: the task, its slots
+/// `cancelled`) whose last change is older than `retention` (`finished_at`, that
+/// change's time, set only while the task is final: docs/decisions.md, entry 47): the task, its slots
 /// in both tables (a final task holds none, but a slot whose release was never
 /// heard may remain until it expires) and its early requests, `batch` tasks per transaction so no
 /// delete holds locks for long; and in the same transaction a tombstone for the
@@ -28,9 +29,9 @@ pub async fn purge_finished_tasks(
         let mut tx = pool.begin().await?;
         // SKIP LOCKED: a task a consumer or the dispatcher holds is left for the next round.
         let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
-            "SELECT task_id FROM tasks WHERE state IN ('succeeded', 'failed', 'cancelled') \
-             AND updated_at < now() - make_interval(secs => $1::double precision / 1e6) \
-             ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+            "SELECT task_id FROM tasks \
+             WHERE finished_at < now() - make_interval(secs => $1::double precision / 1e6) \
+             ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(retention_us)
         .bind(batch)

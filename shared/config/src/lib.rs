@@ -418,6 +418,12 @@ impl ConsumerConfig {
     pub fn batch_wait(&self) -> Duration {
         Duration::from_millis(self.batch_wait_ms)
     }
+
+    /// How long an applied event id is remembered: the window in which a re-sent
+    /// event is known for one already applied (an hour at least).
+    pub fn dedup_window(&self) -> Duration {
+        Duration::from_secs(u64::from(self.dedup_retention_hours.max(1)) * 3600)
+    }
 }
 
 /// How the outbox relay publishes.

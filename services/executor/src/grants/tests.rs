@@ -58,6 +58,7 @@ async fn batch(pool: &PgPool, recorder: &GrantRecorder, events: Vec<Event>) {
     for event in events {
         recorder.handle(&mut tx, &outbox, &inbound(event)).await.expect("handle");
     }
+    recorder.flush(&mut tx, &outbox).await.expect("flush");
     tx.commit().await.expect("commit");
     recorder.committed();
 }
@@ -103,8 +104,12 @@ async fn a_cancellation_marks_its_own_execution_only() {
 
     let cancel = CancelAttempt { task_id: TaskId::new_v7(), grant_id: cancelled, requested_at: Timestamp(0) };
     batch(&pool, &recorder, vec![Event::CancelAttempt(cancel)]).await;
+    // Granted and cancelled in one batch: the gathered grant is recorded cancelled.
+    let at_once = GrantId::new_v7();
+    let cancel = CancelAttempt { task_id: TaskId::new_v7(), grant_id: at_once, requested_at: Timestamp(0) };
+    batch(&pool, &recorder, vec![granted(at_once, "{}"), Event::CancelAttempt(cancel)]).await;
     let marked: Vec<_> = executions(&pool).await.into_iter().map(|(id, _, cancel)| (id, cancel)).collect();
-    let mut expected = vec![(cancelled.as_uuid(), true), (kept.as_uuid(), false)];
+    let mut expected = vec![(cancelled.as_uuid(), true), (kept.as_uuid(), false), (at_once.as_uuid(), true)];
     expected.sort();
     assert_eq!(marked, expected);
 }

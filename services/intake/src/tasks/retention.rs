@@ -1,7 +1,6 @@
 //! What intake keeps and for how long: tasks that never reached the scheduler,
 //! finished tasks past their retention, expired idempotency keys.
 
-use fenceline_domain::vocabulary::TaskState;
 use serde::Serialize;
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -49,8 +48,9 @@ pub async fn unscheduled(
 }
 
 /// Deletes every row of tasks that finished (by their latest status) longer than
-/// `retention` ago, `batch` tasks per transaction so no delete holds locks for
-/// long; returns how many tasks went. Idempotency records have their own, shorter
+/// `retention` ago (`task_view.finished_at`, the time of the snapshot that made the
+/// task final, set only while it is: docs/decisions.md, entry 47), `batch` tasks per
+/// transaction so no delete holds locks for long; returns how many tasks went. Idempotency records have their own, shorter
 /// retention.
 pub async fn purge_finished_tasks(
     pool: &PgPool,
@@ -58,18 +58,15 @@ pub async fn purge_finished_tasks(
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
     let cutoff = OffsetDateTime::now_utc() - retention;
-    let finished: Vec<&str> = TaskState::FINAL.iter().map(|s| s.as_str()).collect();
     let mut purged = 0;
     loop {
         let mut tx = pool.begin().await?;
-        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
-            "SELECT task_id FROM task_view WHERE state = ANY($1) AND updated_at < $2 ORDER BY updated_at LIMIT $3",
-        )
-        .bind(&finished)
-        .bind(cutoff)
-        .bind(batch)
-        .fetch_all(&mut *tx)
-        .await?;
+        let ids: Vec<uuid::Uuid> =
+            sqlx::query_scalar("SELECT task_id FROM task_view WHERE finished_at < $1 ORDER BY finished_at LIMIT $2")
+                .bind(cutoff)
+                .bind(batch)
+                .fetch_all(&mut *tx)
+                .await?;
         // Children first: actions reference their task.
         for table in [
             "decisions",

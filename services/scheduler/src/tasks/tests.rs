@@ -176,22 +176,46 @@ async fn only_a_due_task_nobody_holds_is_locked_for_dispatch() {
     other.commit().await.expect("commit");
 }
 
+/// What the lifecycle is applied with: the test catalogue and settings, an outbox
+/// of its own and a notification channel of its own.
+struct Setting {
+    catalog: Catalog,
+    settings: SchedulerSettings,
+    outbox: OutboxWriter,
+    channel: String,
+    ends: Ends,
+}
+
+impl Setting {
+    fn new() -> Self {
+        Setting {
+            catalog: catalog(),
+            settings: settings(),
+            outbox: OutboxWriter::new(crate::NAME, "test.", 1),
+            channel: channel(),
+            ends: Ends::default(),
+        }
+    }
+
+    fn ctx(&self) -> Context<'_> {
+        Context {
+            outbox: &self.outbox,
+            catalog: &self.catalog,
+            settings: &self.settings,
+            channel: &self.channel,
+            statuses: None,
+            ends: &self.ends,
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_saved_lifecycle_writes_its_state_timer_version_and_provider_and_wakes_the_dispatchers() {
     let db = test_schema::fresh().await;
-    let (catalog, settings, outbox, channel) =
-        (catalog(), settings(), OutboxWriter::new(crate::NAME, "test.", 1), channel());
-    let ends = Ends::default();
-    let ctx = Context {
-        outbox: &outbox,
-        catalog: &catalog,
-        settings: &settings,
-        channel: &channel,
-        statuses: None,
-        ends: &ends,
-    };
+    let setting = Setting::new();
+    let (ctx, channel) = (setting.ctx(), &setting.channel);
     let mut listener = PgListener::connect_with(&db.pool).await.expect("listen");
-    listener.listen(&channel).await.expect("listen to the channel");
+    listener.listen(channel).await.expect("listen to the channel");
 
     // Waiting with a timer later than its deadline: due at its deadline.
     let (timer, deadline) = (ACCEPTED_AT + 9_000_000, ACCEPTED_AT + 7_000_000);
@@ -232,17 +256,8 @@ async fn a_saved_lifecycle_writes_its_state_timer_version_and_provider_and_wakes
 #[tokio::test]
 async fn a_grant_takes_a_slot_at_every_provider_it_calls_and_its_end_gives_them_back() {
     let db = test_schema::fresh().await;
-    let (catalog, settings, outbox, channel) =
-        (catalog(), settings(), OutboxWriter::new(crate::NAME, "test.", 1), channel());
-    let ends = Ends::default();
-    let ctx = Context {
-        outbox: &outbox,
-        catalog: &catalog,
-        settings: &settings,
-        channel: &channel,
-        statuses: None,
-        ends: &ends,
-    };
+    let setting = Setting::new();
+    let (ctx, ends) = (setting.ctx(), &setting.ends);
     let task_id = insert_task(&db.pool, "image.caption", &Task::accepted(ACCEPTED_AT, None, None)).await;
     let grant_id = GrantId::from_uuid(uuid::Uuid::now_v7());
     let now = ACCEPTED_AT + 1_000_000;

@@ -61,12 +61,16 @@ pub async fn purge_finished_tasks(
     let mut purged = 0;
     loop {
         let mut tx = pool.begin().await?;
-        let ids: Vec<uuid::Uuid> =
-            sqlx::query_scalar("SELECT task_id FROM task_view WHERE finished_at < $1 ORDER BY finished_at LIMIT $2")
-                .bind(cutoff)
-                .bind(batch)
-                .fetch_all(&mut *tx)
-                .await?;
+        // SKIP LOCKED: a task whose view a projection is writing is left for the
+        // next round, as the scheduler's purge leaves a task a consumer holds.
+        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT task_id FROM task_view WHERE finished_at < $1 ORDER BY finished_at LIMIT $2 \
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(cutoff)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
         // Children first: actions reference their task.
         for table in [
             "decisions",

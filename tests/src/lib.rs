@@ -120,8 +120,10 @@ pub fn intake_config(url: &str, prefix: &str, kinds: Vec<String>) -> fenceline_i
     }
 }
 
+/// The suites' relays: short polls, and published rows kept, so that a test can
+/// read what was sent.
 pub fn outbox_config() -> OutboxConfig {
-    OutboxConfig { shards: 4, batch_max: 500, idle_poll_ms: 100 }
+    OutboxConfig { shards: 4, batch_max: 500, idle_poll_ms: 100, keep_published_seconds: 3600 }
 }
 
 /// A fresh topic prefix with the topics the bus tests use (status, dead letters)
@@ -200,8 +202,20 @@ pub fn start_relay(
     writer: &OutboxWriter,
     shutdown: &tokio_util::sync::CancellationToken,
 ) -> std::sync::Arc<fenceline_bus::RelayStats> {
-    let relay = fenceline_bus::Relay::new(name, db.pool.clone(), db.options.clone(), kafka, outbox_config(), writer)
-        .expect("relay");
+    start_relay_with(name, db, kafka, writer, shutdown, outbox_config())
+}
+
+/// As [`start_relay`], with `config` instead of the suites' [`outbox_config`].
+pub fn start_relay_with(
+    name: &str,
+    db: &fenceline_store::Database,
+    kafka: &KafkaConfig,
+    writer: &OutboxWriter,
+    shutdown: &tokio_util::sync::CancellationToken,
+    config: OutboxConfig,
+) -> std::sync::Arc<fenceline_bus::RelayStats> {
+    let relay =
+        fenceline_bus::Relay::new(name, db.pool.clone(), db.options.clone(), kafka, config, writer).expect("relay");
     let stats = relay.stats();
     tokio::spawn(relay.run(shutdown.clone()));
     stats

@@ -349,6 +349,8 @@ impl System {
             ("FENCELINE_KAFKA_SESSION_TIMEOUT_MS", "8000".into()),
             ("FENCELINE_SHUTDOWN_GRACE_MS", "3000".into()),
             ("FENCELINE_OUTBOX_IDLE_POLL_MS", "100".into()),
+            // The suites read what each service published (and send it again).
+            ("FENCELINE_OUTBOX_KEEP_PUBLISHED_SECONDS", "3600".into()),
             ("FENCELINE_EXECUTOR_LEASE_MS", "2000".into()),
             ("FENCELINE_EXECUTOR_IDLE_POLL_MS", "100".into()),
             ("FENCELINE_SCHEDULER_BACKOFF_BASE_MS", "200".into()),

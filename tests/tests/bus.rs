@@ -457,6 +457,7 @@ async fn a_relay_killed_after_the_broker_acknowledged_resends_and_the_consumer_a
     consumer.join().await;
 }
 
+/// With the default settings each relay deletes the rows the broker confirmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
@@ -464,8 +465,9 @@ async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() 
     let writer = OutboxWriter::new("upstream", prefix.clone(), outbox_config().shards);
     let shutdown = CancellationToken::new();
     let mut stats = Vec::new();
+    let deleting = fenceline_config::OutboxConfig { keep_published_seconds: 0, ..outbox_config() };
     for name in ["relay-1", "relay-2"] {
-        stats.push(start_relay(name, &db, &kafka(&prefix), &writer, &shutdown));
+        stats.push(start_relay_with(name, &db, &kafka(&prefix), &writer, &shutdown, deleting.clone()));
     }
     // Written while both relays run, in many small transactions.
     let all = events(20, 100);
@@ -484,6 +486,8 @@ async fn two_relays_keep_the_events_of_one_key_in_the_order_they_were_written() 
     let published: Vec<u64> = stats.iter().map(|s| s.published.load(std::sync::atomic::Ordering::Relaxed)).collect();
     assert_eq!(published.iter().sum::<u64>(), 2_000);
     eprintln!("rows published per relay: {published:?}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox").fetch_one(&db.pool).await.expect("count");
+    assert_eq!(left, 0, "every published row is deleted");
 }
 
 /// The outbox is the buffer while the broker is gone: rows written meanwhile wait,

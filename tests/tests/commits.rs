@@ -129,13 +129,15 @@ async fn wait_succeeded(system: &System, count: i64, timeout: Duration) -> i64 {
 }
 
 /// What one service's statement log counts.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Statements {
     /// Statements sent, with `COMMIT`s and savepoint releases (sqlx pipelines
     /// `BEGIN` and `SAVEPOINT` with the next statement and does not log them).
     logged: usize,
     commits: usize,
     savepoints: usize,
+    /// Statements by their log summary (sqlx's first words of the statement).
+    by_summary: std::collections::BTreeMap<String, usize>,
 }
 
 fn statements(system: &System, service: &str) -> Statements {
@@ -145,6 +147,7 @@ fn statements(system: &System, service: &str) -> Statements {
     for line in &lines {
         let v: Value = serde_json::from_str(line).unwrap_or(Value::Null);
         let summary = v["summary"].as_str().or(v["fields"]["summary"].as_str()).unwrap_or_default();
+        *counted.by_summary.entry(summary.to_owned()).or_default() += 1;
         let summary = summary.to_ascii_uppercase();
         if summary.starts_with("COMMIT") {
             counted.commits += 1;
@@ -165,9 +168,12 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
     system.set_provider_limits("img", 64, 100_000.0, 100_000.0);
     // Every statement in each service's log, to count them per service.
     let log = ("RUST_LOG", "info,sqlx::query=trace,rdkafka=warn".to_owned());
-    system.spawn("intake", "intake", &[("FENCELINE_INTAKE_KINDS", "image.generate".into()), log.clone()]).await;
+    // Published rows deleted, as by default, not kept for the suites to read.
+    let outbox = ("FENCELINE_OUTBOX_KEEP_PUBLISHED_SECONDS", "0".to_owned());
+    let intake_settings = [("FENCELINE_INTAKE_KINDS", "image.generate".into()), log.clone(), outbox.clone()];
+    system.spawn("intake", "intake", &intake_settings).await;
     for service in ["scheduler", "reconciler", "executor"] {
-        system.spawn(service, service, std::slice::from_ref(&log)).await;
+        system.spawn(service, service, &[log.clone(), outbox.clone()]).await;
     }
     let token = system.token("acme").await;
     let intake = system.url_of("intake");
@@ -221,6 +227,17 @@ async fn a_one_step_task_costs_few_postgres_commits_end_to_end() {
             per_task(after.commits, before.commits),
             per_task(after.savepoints, before.savepoints),
         );
+        // Which statements: the most frequent first.
+        let mut by_summary: Vec<(f64, &str)> = after
+            .by_summary
+            .iter()
+            .map(|(summary, n)| (per_task(*n, before.by_summary.get(summary).copied().unwrap_or(0)), summary.as_str()))
+            .filter(|(n, _)| *n >= 0.05)
+            .collect();
+        by_summary.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (n, summary) in by_summary {
+            println!("      {n:>5.2}  {summary}");
+        }
     }
     // Row writes per table (the idle window's included): an update that changes no
     // indexed column and finds room on its page is HOT, and writes no index entry.

@@ -70,6 +70,9 @@ pub(crate) struct Lease {
     /// budget's end): every write is fenced, so a retry after the lease lapsed
     /// either records what this worker knows or is rejected, never both.
     pub(crate) writes_until: Instant,
+    /// Events of the lease itself not yet written (the claim's `AttemptClaimed`):
+    /// the next fenced write carries them ahead of its own.
+    pub(crate) unannounced: Vec<fenceline_events::Event>,
 }
 
 impl Lease {
@@ -114,6 +117,7 @@ impl Lease {
             valid_until: Arc::new(Mutex::new(valid_until)),
             fenced: CancellationToken::new(),
             writes_until,
+            unannounced: Vec::new(),
         }
     }
 }

@@ -132,7 +132,8 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// Writes `transition` and `events` in one fenced transaction. A database
+    /// Writes `transition` and `events` (after the lease's unannounced ones) in one
+    /// fenced transaction. A database
     /// error is tried again with backoff until the attempt budget ends, while no
     /// other worker is known to hold the execution; a retry
     /// that finds its own earlier commit (the answer to the commit was lost) counts
@@ -149,11 +150,13 @@ impl Recorder {
             match outcome {
                 Ok(recorded) => {
                     lease.phase = transition.phase;
+                    lease.unannounced.clear();
                     count_ends(events);
                     return Ok(recorded);
                 }
                 Err(Stop::Fenced) if tries > 0 && self.already_recorded(lease, &transition).await => {
                     lease.phase = transition.phase;
+                    lease.unannounced.clear();
                     count_ends(events);
                     return Ok(Recorded { cancel_requested: false, seq: None, renewed: false });
                 }
@@ -179,8 +182,9 @@ impl Recorder {
     async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
         // Before the statement leaves: the lease it renews holds at least this long.
         let sent = tokio::time::Instant::now();
-        let rows =
-            events.iter().map(|event| self.outbox.row(topics::ATTEMPTS, event)).collect::<Result<Vec<_>, _>>()?;
+        let rows = (lease.unannounced.iter().chain(events))
+            .map(|event| self.outbox.row(topics::ATTEMPTS, event))
+            .collect::<Result<Vec<_>, _>>()?;
         let statement = fenced_statement(t);
         let query = self.bind_fenced(sqlx::query(&statement), lease, t).bind(rows);
         let (cancel_requested, granted_us, seq) = match t.new_key {

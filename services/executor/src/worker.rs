@@ -93,8 +93,11 @@ struct Claimed {
     claim: ClaimRow,
     /// When the claim's statement was sent (monotonic): the lease holds from then.
     sent: Instant,
-    /// The steps already checkpointed, read in the claim's transaction.
+    /// The steps already checkpointed.
     done: Checkpoints,
+    /// The claim's `AttemptClaimed`, when the claim did not write it: the
+    /// execution's first fenced write carries it.
+    announce: Option<Event>,
     /// The execution's span, a child of the grant's trace.
     span: tracing::Span,
 }
@@ -105,10 +108,10 @@ impl Workers {
         let worker = format!("{}#{index}", self.name);
         while !shutdown.is_cancelled() {
             match self.claim(&worker).await {
-                Ok(Some(Claimed { claim, sent, done, span })) => {
+                Ok(Some(Claimed { claim, sent, done, announce, span })) => {
                     // There may be more: another worker looks while this one works.
                     self.wake.notify_one();
-                    if let Err(e) = self.execute(claim, sent, done, &shutdown).instrument(span).await {
+                    if let Err(e) = self.execute(claim, sent, done, announce, &shutdown).instrument(span).await {
                         match e {
                             Stop::Fenced => warn!(%worker, "write rejected: fenced; this worker stops the execution"),
                             Stop::LeaseLapsed => warn!(%worker, "{e}"),
@@ -160,6 +163,13 @@ impl Workers {
     /// One claim: of the ready execution of grant `handed` (through the primary
     /// key, written so that no partial index applies, as [`STILL_RUNNING`]), or,
     /// without it, of the oldest claimable one.
+    ///
+    /// A handed grant is ready, never a takeover: its claim is one statement that
+    /// commits on its own, and `AttemptClaimed` rides on the execution's first fenced
+    /// write ([`Lease::unannounced`]), where it comes first. A worker lost before that
+    /// write leaves a running execution whose lease expires: the takeover announces
+    /// its own claim. The walk may take a lease over, so it claims, announces or
+    /// reports the attempt lost, and reads the checkpoints in one transaction.
     async fn claim_next(&self, worker: &str, handed: Option<uuid::Uuid>) -> Result<Option<Claimed>, Stop> {
         let next = match handed {
             Some(_) => {
@@ -173,8 +183,6 @@ impl Workers {
             }
         };
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        let mut tx = self.pool.begin().await?;
-        let sent = Instant::now();
         let statement = format!(
             "WITH clock AS (SELECT now_us() AS now_us), next AS ({next}) \
              UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $1, \
@@ -187,31 +195,31 @@ impl Workers {
                  e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
                  e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
         );
-        let mut query = sqlx::query_as(&statement).bind(worker).bind(lease_us);
+        let query = sqlx::query_as(&statement).bind(worker).bind(lease_us);
         if let Some(grant_id) = handed {
-            query = query.bind(grant_id);
+            let sent = Instant::now();
+            let claimed: Option<ClaimRow> = query.bind(grant_id).fetch_optional(&self.pool).await?;
+            let Some(claim) = claimed else {
+                return Ok(None);
+            };
+            let span = execution_span(&claim);
+            let done = checkpoints(&mut *self.pool.acquire().await?, &claim).instrument(span.clone()).await?;
+            let announce = Some(claimed_event(&claim, worker));
+            return Ok(Some(Claimed { claim, sent, done, announce, span }));
         }
+        let mut tx = self.pool.begin().await?;
+        let sent = Instant::now();
         let claimed: Option<ClaimRow> = query.fetch_optional(&mut *tx).await?;
         let Some(claim) = claimed else {
             return Ok(None);
         };
-        // One span per execution, a child of the grant's trace: every event it
-        // writes and every call it makes carries that trace on.
-        let span = tracing::info_span!(
-            "execution",
-            task_id = %claim.task_id,
-            attempt = claim.attempt,
-            grant_id = %claim.grant_id,
-            trace_id = tracing::field::Empty,
-        );
-        fenceline_telemetry::continue_trace(&span, claim.traceparent.as_deref());
-        fenceline_telemetry::record_trace_id(&span);
+        let span = execution_span(&claim);
         let claimed = self.claimed(tx, claim, worker).instrument(span.clone()).await?;
-        Ok(claimed.map(|(claim, done)| Claimed { claim, sent, done, span }))
+        Ok(claimed.map(|(claim, done)| Claimed { claim, sent, done, announce: None, span }))
     }
 
-    /// Writes what the claim found: the attempt lost (a takeover after the call
-    /// intent) or claimed, in the claim's transaction.
+    /// Writes what the walk's claim found: the attempt lost (a takeover after the
+    /// call intent) or claimed, in the claim's transaction.
     async fn claimed(
         &self,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
@@ -247,42 +255,15 @@ impl Workers {
             warn!(%task_id, %grant_id, %phase, "took over a lease after the call intent: attempt reported lost");
             return Ok(None);
         }
-        let event = Event::AttemptClaimed(AttemptClaimed {
-            grant_id,
-            task_id,
-            attempt: claim.attempt,
-            fencing_token: claim.fencing_token,
-            lease_expires_at: Timestamp(claim.lease_expires_at_us),
-            worker: worker.to_owned(),
-        });
-        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &event).await?;
-        // The verified results of the task's steps, of this generation or an earlier
-        // one. A person's `retry_as_new` starts a new generation for the step in doubt:
-        // the steps before it were checkpointed only after their results were verified
-        // (an approval only after it was given), so they are kept, not paid for again.
-        // Steps run in order, so no earlier generation holds a step after the doubt.
-        // A task's first attempt, claimed fresh, has nothing checkpointed: no worker
-        // ran it before, and no earlier attempt or generation exists.
-        let first_run = !claim.takeover && claim.attempt == 1 && claim.generation == 0;
-        let done: Vec<(String, serde_json::Value, i32)> = if first_run && claim.resume_after_step.is_none() {
-            Vec::new()
-        } else {
-            sqlx::query_as(
-                "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
-                 WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
-            )
-            .bind(claim.task_id)
-            .bind(claim.generation)
-            .fetch_all(&mut *tx)
-            .await?
-        };
+        self.outbox.append(&mut tx, topics::ATTEMPTS, None, &claimed_event(&claim, worker)).await?;
+        let done = checkpoints(&mut tx, &claim).await?;
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {
             fenceline_telemetry::metrics::global().executor.leases_taken_over.inc();
             info!(%task_id, %grant_id, %phase, token = claim.fencing_token, "took over an expired lease before any call");
         }
-        Ok(Some((claim, done.into_iter().map(|(step, output, generation)| (step, (output, generation))).collect())))
+        Ok(Some((claim, done)))
     }
 
     async fn execute(
@@ -290,6 +271,7 @@ impl Workers {
         claim: ClaimRow,
         sent: Instant,
         done: Checkpoints,
+        announce: Option<Event>,
         shutdown: &CancellationToken,
     ) -> Result<(), Stop> {
         let granted = Duration::from_micros(u64::try_from(claim.lease_expires_at_us - claim.db_now_us).unwrap_or(0));
@@ -314,6 +296,7 @@ impl Workers {
             sent + granted,
             ends.budget,
         );
+        lease.unannounced.extend(announce);
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone()));
         let result = self.steps(&claim, done, &mut lease, shutdown, ends).await;
         heartbeat.abort();
@@ -421,6 +404,57 @@ impl Workers {
         self.calls.recorder.record(lease, transition, &events).await?;
         Ok(())
     }
+}
+
+/// One span per execution, a child of the grant's trace: every event it writes and
+/// every call it makes carries that trace on.
+fn execution_span(claim: &ClaimRow) -> tracing::Span {
+    let span = tracing::info_span!(
+        "execution",
+        task_id = %claim.task_id,
+        attempt = claim.attempt,
+        grant_id = %claim.grant_id,
+        trace_id = tracing::field::Empty,
+    );
+    fenceline_telemetry::continue_trace(&span, claim.traceparent.as_deref());
+    fenceline_telemetry::record_trace_id(&span);
+    span
+}
+
+fn claimed_event(claim: &ClaimRow, worker: &str) -> Event {
+    Event::AttemptClaimed(AttemptClaimed {
+        grant_id: GrantId::from_uuid(claim.grant_id),
+        task_id: TaskId::from_uuid(claim.task_id),
+        attempt: claim.attempt,
+        fencing_token: claim.fencing_token,
+        lease_expires_at: Timestamp(claim.lease_expires_at_us),
+        worker: worker.to_owned(),
+    })
+}
+
+/// The verified results of the task's steps, of this generation or an earlier one.
+/// A person's `retry_as_new` starts a new generation for the step in doubt: the
+/// steps before it were checkpointed only after their results were verified (an
+/// approval only after it was given), so they are kept, not paid for again. Steps
+/// run in order, so no earlier generation holds a step after the doubt. Every
+/// earlier attempt had ended before this one was granted, so whatever they
+/// checkpointed is committed. A task's first attempt, claimed fresh, has nothing
+/// checkpointed: no worker ran it before, and no earlier attempt or generation
+/// exists.
+async fn checkpoints(conn: &mut sqlx::PgConnection, claim: &ClaimRow) -> Result<Checkpoints, sqlx::Error> {
+    let first_run = !claim.takeover && claim.attempt == 1 && claim.generation == 0;
+    if first_run && claim.resume_after_step.is_none() {
+        return Ok(Checkpoints::new());
+    }
+    let done: Vec<(String, serde_json::Value, i32)> = sqlx::query_as(
+        "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
+         WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
+    )
+    .bind(claim.task_id)
+    .bind(claim.generation)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(done.into_iter().map(|(step, output, generation)| (step, (output, generation))).collect())
 }
 
 /// A stored phase, read in the safe direction: one that cannot be read is taken

@@ -1,7 +1,8 @@
 //! The transactional outbox (docs/architecture.md, "The outbox"). A state change and the events it
 //! causes commit together; the relay publishes them with an idempotent producer in
-//! outbox order per key, marks them after the broker confirmed, and re-sends what
-//! was not confirmed when it (or another instance) picks the shard up again.
+//! outbox order per key, deletes them (or marks them, where they are kept a while)
+//! after the broker confirmed, and re-sends what was not confirmed when it (or
+//! another instance) picks the shard up again.
 //! Consumers dedupe by `event_id`, so a re-send is harmless.
 
 use std::sync::Arc;
@@ -34,8 +35,15 @@ pub const SHARD_TRY_LOCK_ALL: &str = "SELECT s FROM unnest($1::int[]) WITH ORDIN
 /// Releases the locks of the shards in `$1` in one statement.
 const SHARD_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock(hashtextextended(current_schema() || ':outbox-shard:' \
      || s::text, 0)) FROM unnest($1::int[]) AS s";
-/// Marks a batch of rows, by id, published.
+/// Marks a batch of rows, by id, published, where published rows are kept a while.
 const MARK_PUBLISHED: &str = "UPDATE outbox SET published_at = now() WHERE id = ANY($1)";
+/// Deletes a batch of published rows, by id: a deleted row costs the table less than
+/// a marked one (no new row version, no index entries) and leaves nothing to purge.
+const DELETE_PUBLISHED: &str = "DELETE FROM outbox WHERE id = ANY($1)";
+/// Deletes rows kept past their time: published ones past
+/// `FENCELINE_OUTBOX_KEEP_PUBLISHED_SECONDS` (`$1`), refused ones after 7 days.
+const PURGE_KEPT: &str = "DELETE FROM outbox WHERE published_at < now() - make_interval(secs => $1) \
+     OR refused_at < now() - interval '7 days'";
 /// The `event_type` header of a tombstone. Do not change: dashboards may match it
 /// (docs/wire.md, "Tombstones on fenceline.status").
 pub const TOMBSTONE: &str = "Tombstone";
@@ -381,13 +389,8 @@ impl Relay {
             next_start = (next_start + 1) % usize::from(self.config.shards.max(1));
             if last_purge.elapsed() > Duration::from_secs(60) {
                 last_purge = tokio::time::Instant::now();
-                if let Err(e) = sqlx::query(
-                    "DELETE FROM outbox WHERE published_at < now() - interval '1 hour' \
-                     OR refused_at < now() - interval '7 days'",
-                )
-                .execute(&self.pool)
-                .await
-                {
+                let keep = self.config.keep_published_seconds as f64;
+                if let Err(e) = sqlx::query(PURGE_KEPT).bind(keep).execute(&self.pool).await {
                     warn!(relay = %self.name, error = %e, "purging published outbox rows failed");
                 }
             }
@@ -471,9 +474,10 @@ impl Relay {
                     _ => None,
                 })
                 .collect();
+            let settle = if self.config.keep_published_seconds == 0 { DELETE_PUBLISHED } else { MARK_PUBLISHED };
             if !refused.is_empty() {
                 let mut tx = self.pool.begin().await?;
-                sqlx::query(MARK_PUBLISHED).bind(&ids).execute(&mut *tx).await?;
+                sqlx::query(settle).bind(&ids).execute(&mut *tx).await?;
                 for (row, reason) in &refused {
                     self.refuse(&mut tx, row, reason).await?;
                 }
@@ -481,7 +485,7 @@ impl Relay {
                 self.writer.committed();
             } else if !ids.is_empty() {
                 // One statement, one commit, for the whole batch.
-                sqlx::query(MARK_PUBLISHED).bind(&ids).execute(&self.pool).await?;
+                sqlx::query(settle).bind(&ids).execute(&self.pool).await?;
             }
             let confirmed = ids.len();
             published += confirmed;

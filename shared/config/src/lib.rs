@@ -453,6 +453,17 @@ pub struct OutboxConfig {
         default_value_t = 500
     )]
     pub idle_poll_ms: u64,
+
+    /// How long a published row stays in the outbox, in seconds, for an operator's
+    /// look at what was sent. 0: the relay deletes each row once the broker
+    /// confirmed it, in the statement that would otherwise mark it.
+    #[arg(
+        id = "outbox_keep_published_seconds",
+        long = "outbox-keep-published-seconds",
+        env = "FENCELINE_OUTBOX_KEEP_PUBLISHED_SECONDS",
+        default_value_t = 0
+    )]
+    pub keep_published_seconds: u64,
 }
 
 /// The service's own HTTP listener (health, readiness, and any API).

@@ -1,5 +1,6 @@
 //! The claim against a schema of its own in the test Postgres: a handed grant is
-//! claimed by its id only while it is ready, the idle walk takes the oldest ready
+//! claimed by its id only while it is ready (its event carried by the first fenced
+//! write), the idle walk takes the oldest ready
 //! execution or an expired lease and never a live one, and a takeover after the
 //! call intent claims nothing and reports the attempt lost.
 
@@ -98,14 +99,27 @@ async fn a_handed_grant_is_claimed_by_its_id_and_only_while_it_is_ready() {
     let older = execution(pool, 60, Standing::Ready).await;
     let handed = execution(pool, 0, Standing::Ready).await;
 
-    assert_eq!(claim(&workers, Some(handed)).await, Some(handed), "the handed grant, not the oldest one");
+    let claimed = workers.claim_next("w#0", Some(handed)).await.expect("claim").expect("the handed grant");
+    assert_eq!(claimed.claim.grant_id, handed, "the handed grant, not the oldest one");
     assert_eq!(standing(pool, handed).await, ("running".into(), 1, Some("claimed".into()), false));
-    assert_eq!(events(pool).await, ["AttemptClaimed"]);
+    // The claim committed on its own; its event waits for the first fenced write.
+    assert!(events(pool).await.is_empty());
+    assert!(matches!(&claimed.announce, Some(Event::AttemptClaimed(e)) if e.fencing_token == 1));
 
     assert_eq!(claim(&workers, Some(handed)).await, None, "a handed grant already claimed is not claimed again");
     assert_eq!(standing(pool, handed).await.1, 1, "and its fencing token stays");
     assert_eq!(standing(pool, older).await, ("ready".into(), 0, None, false), "the other waits for its own claim");
-    assert_eq!(events(pool).await, ["AttemptClaimed"]);
+
+    let now = Instant::now();
+    let (grant_id, task_id) = (GrantId::from_uuid(handed), TaskId::from_uuid(claimed.claim.task_id));
+    let until = now + Duration::from_secs(10);
+    let mut lease = Lease::taken(grant_id, task_id, 1, 0, 1, Phase::Claimed, until, until);
+    lease.unannounced.extend(claimed.announce);
+    let released = released(&lease, ReleaseReason::Cancelled);
+    let end = Transition::end(&lease, AttemptOutcome::Released);
+    workers.calls.recorder.record(&mut lease, end, &[released]).await.expect("the first fenced write");
+    assert_eq!(events(pool).await, ["AttemptClaimed", "AttemptReleased"], "the claim's event first, in the same write");
+    assert!(lease.unannounced.is_empty());
 }
 
 #[tokio::test]

@@ -1,5 +1,5 @@
 //! What the benchmark reads from the running system: each task's instants where they
-//! are recorded (the scheduler's outbox for grants, the fake provider's call log for
+//! are recorded (the reconciler's grants, the fake provider's call log for
 //! calls, intake's read model for `succeeded`), Postgres commits and round trips,
 //! Kafka records written and delivered, and the memory, CPU, context switches and
 //! threads of every process.
@@ -7,25 +7,20 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use fenceline_events::Event;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{Value, json};
 
 /// Each task's first grant, in microseconds since the epoch: `granted_at` of the
-/// `AttemptGranted` events in the scheduler's outbox, the grant's durable record.
+/// grants the reconciler watches (it keeps each `AttemptGranted` whole; the
+/// scheduler's outbox keeps none once they are published).
 pub async fn grants(pool: &sqlx::PgPool) -> HashMap<String, i64> {
-    let rows: Vec<Vec<u8>> =
-        sqlx::query_scalar("SELECT payload FROM scheduler.outbox WHERE event_type = 'AttemptGranted'")
-            .fetch_all(pool)
-            .await
-            .unwrap_or_default();
+    let rows: Vec<sqlx::types::Json<fenceline_events::AttemptGranted>> =
+        sqlx::query_scalar("SELECT granted FROM reconciler.grants").fetch_all(pool).await.unwrap_or_default();
     let mut first = HashMap::new();
-    for payload in rows {
-        if let Ok(Event::AttemptGranted(grant)) = fenceline_events::decode(&payload) {
-            let at = first.entry(grant.task_id.to_string()).or_insert(i64::MAX);
-            *at = (*at).min(grant.granted_at.0);
-        }
+    for sqlx::types::Json(grant) in rows {
+        let at = first.entry(grant.task_id.to_string()).or_insert(i64::MAX);
+        *at = (*at).min(grant.granted_at.0);
     }
     first
 }

@@ -436,7 +436,7 @@ async fn figures(
     last: &Snapshot,
     whole: &Whole<'_>,
 ) -> Value {
-    let grants = probe::grants(bench.pool("scheduler")).await;
+    let grants = probe::grants(bench.pool("reconciler")).await;
     let succeeded = probe::succeeded(bench.pool("intake")).await;
     let mut first_call: HashMap<String, i64> = HashMap::new();
     for call in probe::calls(bench.system.provider(PROVIDER)).await {

@@ -611,7 +611,7 @@ async fn an_instance_left_without_partitions_has_joined_and_held_partitions_repo
 async fn hold_every_shard(db: &Database) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
     let mut conn = db.pool.acquire().await.expect("connection");
     let shards: Vec<i32> = (0..outbox_config().shards as i32).collect();
-    let held: Vec<i32> = sqlx::query_scalar(fenceline_bus::outbox::SHARD_TRY_LOCK_ALL)
+    let held: Vec<i32> = sqlx::query_scalar(fenceline_bus::relay::SHARD_TRY_LOCK_ALL)
         .bind(&shards)
         .fetch_all(&mut *conn)
         .await

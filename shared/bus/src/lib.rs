@@ -7,13 +7,15 @@ pub mod faults;
 pub mod gathered;
 pub mod kafka;
 pub mod outbox;
+pub mod relay;
 pub mod replay;
 
 pub use consumer::{
     ConsumerHandle, ConsumerSpec, ConsumerStats, FencedConsumer, HandleError, Handler, Inbound, Rejected, dead_letter,
 };
 pub use fenceline_events::topics::named as topic_name;
-pub use outbox::{OutboxRow, OutboxWriter, Relay, RelayStats};
+pub use outbox::{OutboxRow, OutboxWriter};
+pub use relay::{Relay, RelayStats};
 
 /// The bus tables (consumer progress, processed events, outbox), migrated into the
 /// service's schema before the service's own migrations.

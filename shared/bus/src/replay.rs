@@ -52,7 +52,7 @@ pub async fn replay_dead_letters(kafka: &KafkaConfig, choice: &Choice) -> Result
         if !choice.takes(&key, &letter) {
             continue;
         }
-        if letter.reason.contains(crate::outbox::CUT_MARK) {
+        if letter.reason.contains(crate::relay::CUT_MARK) {
             done.push(Replayed::Incomplete { original: key });
             continue;
         }

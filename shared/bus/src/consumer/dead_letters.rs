@@ -36,14 +36,14 @@ pub async fn dead_letter(
     outbox: &OutboxWriter,
     rejected: &Rejected<'_>,
 ) -> Result<(), HandleError> {
-    let (value, cut) = rejected.value.map(crate::outbox::bounded_original).unzip();
+    let (value, cut) = rejected.value.map(crate::relay::bounded_original).unzip();
     let letter = Event::DeadLetter(DeadLetter {
         topic: rejected.topic.to_owned(),
         partition: rejected.partition,
         offset: rejected.offset,
         consumer: rejected.consumer_group.to_owned(),
         reason: format!("{}{}", rejected.reason, cut.flatten().unwrap_or_default()),
-        original_key: rejected.key.map(|k| Bytes(crate::outbox::bounded_original(k).0)),
+        original_key: rejected.key.map(|k| Bytes(crate::relay::bounded_original(k).0)),
         original_value: value.map(Bytes),
         original_headers: rejected
             .headers

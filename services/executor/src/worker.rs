@@ -203,7 +203,11 @@ impl Workers {
                 return Ok(None);
             };
             let span = execution_span(&claim);
-            let done = checkpoints(&mut *self.pool.acquire().await?, &claim).instrument(span.clone()).await?;
+            let done = if nothing_checkpointed(&claim) {
+                Checkpoints::new()
+            } else {
+                checkpoints(&mut *self.pool.acquire().await?, &claim).instrument(span.clone()).await?
+            };
             let announce = Some(claimed_event(&claim, worker));
             return Ok(Some(Claimed { claim, sent, done, announce, span }));
         }
@@ -256,7 +260,7 @@ impl Workers {
             return Ok(None);
         }
         self.outbox.append(&mut tx, topics::ATTEMPTS, None, &claimed_event(&claim, worker)).await?;
-        let done = checkpoints(&mut tx, &claim).await?;
+        let done = if nothing_checkpointed(&claim) { Checkpoints::new() } else { checkpoints(&mut tx, &claim).await? };
         tx.commit().await?;
         self.outbox.committed();
         if claim.takeover {
@@ -438,14 +442,8 @@ fn claimed_event(claim: &ClaimRow, worker: &str) -> Event {
 /// approval only after it was given), so they are kept, not paid for again. Steps
 /// run in order, so no earlier generation holds a step after the doubt. Every
 /// earlier attempt had ended before this one was granted, so whatever they
-/// checkpointed is committed. A task's first attempt, claimed fresh, has nothing
-/// checkpointed: no worker ran it before, and no earlier attempt or generation
-/// exists.
+/// checkpointed is committed.
 async fn checkpoints(conn: &mut sqlx::PgConnection, claim: &ClaimRow) -> Result<Checkpoints, sqlx::Error> {
-    let first_run = !claim.takeover && claim.attempt == 1 && claim.generation == 0;
-    if first_run && claim.resume_after_step.is_none() {
-        return Ok(Checkpoints::new());
-    }
     let done: Vec<(String, serde_json::Value, i32)> = sqlx::query_as(
         "SELECT DISTINCT ON (step) step, output, generation FROM checkpoints \
          WHERE task_id = $1 AND generation <= $2 ORDER BY step, generation DESC",
@@ -455,6 +453,12 @@ async fn checkpoints(conn: &mut sqlx::PgConnection, claim: &ClaimRow) -> Result<
     .fetch_all(&mut *conn)
     .await?;
     Ok(done.into_iter().map(|(step, output, generation)| (step, (output, generation))).collect())
+}
+
+/// A task's first attempt, claimed fresh, has nothing checkpointed: no worker ran it
+/// before, and no earlier attempt or generation exists.
+fn nothing_checkpointed(claim: &ClaimRow) -> bool {
+    !claim.takeover && claim.attempt == 1 && claim.generation == 0 && claim.resume_after_step.is_none()
 }
 
 /// A stored phase, read in the safe direction: one that cannot be read is taken

@@ -275,6 +275,7 @@ impl Relay {
     /// their written order.
     async fn drain_shards(&self, shards: &[i32]) -> Result<usize, Error> {
         let shards: Vec<i16> = shards.iter().map(|&s| s as i16).collect();
+        let settle = if self.config.keep_published_seconds == 0 { DELETE_PUBLISHED } else { MARK_PUBLISHED };
         let mut published = 0;
         loop {
             let rows: Vec<Row> = sqlx::query_as(
@@ -308,7 +309,6 @@ impl Relay {
                     _ => None,
                 })
                 .collect();
-            let settle = if self.config.keep_published_seconds == 0 { DELETE_PUBLISHED } else { MARK_PUBLISHED };
             if !refused.is_empty() {
                 let mut tx = self.pool.begin().await?;
                 sqlx::query(settle).bind(&ids).execute(&mut *tx).await?;

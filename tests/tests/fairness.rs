@@ -51,6 +51,9 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
     let late_a = system.submit("tenant-a", "image.generate", json!({"who": "late a"})).await;
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut taken_in = None;
+    // The database's clock when B's row was first seen in the scheduler: every dispatch
+    // round whose transaction began later saw B.
+    let mut seen_in_scheduler_us = None;
     loop {
         let attempt = attempt_of(&system, b).await;
         if attempt.is_some_and(|n| n >= 1) {
@@ -58,6 +61,12 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
         }
         if taken_in.is_none() && attempt.is_some() {
             taken_in = Some(Instant::now());
+            seen_in_scheduler_us = Some(
+                sqlx::query_scalar::<_, i64>("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+                    .fetch_one(&system.pool)
+                    .await
+                    .expect("clock"),
+            );
         }
         assert!(Instant::now() < deadline, "tenant B's task was not dispatched within 120 s");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -76,17 +85,20 @@ async fn one_tenants_backlog_does_not_block_another_tenant() {
         taken_in - submitted,
         i64::try_from(backlog).unwrap_or(i64::MAX) - done
     );
-    // Fairness by order, whatever the transport: after B arrived at the scheduler, no
-    // more than one of A's tasks (a dispatch round already under way) was granted
-    // before B.
+    // Fairness by order, whatever the transport: once B was in the scheduler, no more
+    // than one of A's tasks (a dispatch round already under way) was granted before B.
+    // The broker's transport before that (B's `accepted_at` is intake's instant) is not
+    // the scheduler's order. A grant's `created_at` is its round's transaction start.
+    // Had B been granted before the test saw its row, nothing is counted.
     let granted_before_b: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM scheduler.outbox o WHERE o.event_type = 'AttemptGranted' \
            AND o.record_key <> convert_to($1::text, 'UTF8') \
-           AND o.created_at > (SELECT accepted_at FROM scheduler.tasks WHERE task_id = $1) \
+           AND o.created_at > coalesce(to_timestamp($2::bigint / 1000000.0), 'infinity') \
            AND o.created_at < (SELECT min(created_at) FROM scheduler.outbox \
                                WHERE event_type = 'AttemptGranted' AND record_key = convert_to($1::text, 'UTF8'))",
     )
     .bind(b.as_uuid())
+    .bind(seen_in_scheduler_us)
     .fetch_one(&system.pool)
     .await
     .expect("grants");

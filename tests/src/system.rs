@@ -758,6 +758,20 @@ impl System {
         running.chain(retired).map(|proc| proc.lines_with(needle).len()).sum()
     }
 
+    /// Every line that mentions `needle`, of running and retired processes, each
+    /// after its service's id: a task's story, for failure messages.
+    pub fn lines_mentioning(&self, needle: &str) -> String {
+        let running = self.services.iter().map(|(id, proc)| (id.as_str(), proc));
+        let retired = self.retired.iter().map(|(id, proc)| (id.as_str(), proc));
+        let mut out = String::new();
+        for (id, proc) in running.chain(retired) {
+            for line in proc.lines_with(needle) {
+                out.push_str(&format!("[{id}] {line}\n"));
+            }
+        }
+        out
+    }
+
     /// Every service's log lines with a warning or an error, for failure messages.
     pub fn logs(&self) -> String {
         let mut out = String::new();

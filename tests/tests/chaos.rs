@@ -217,6 +217,11 @@ async fn strike(system: &mut System, rng: &mut StdRng, figures: &mut Figures) {
     let point = points[rng.random_range(0..points.len())];
     let mut env = extra(service);
     env.push(("FAILPOINTS", format!("{point}=return(crash)")));
+    // Starting the armed process kills the running one first: a death too, at this
+    // instant, whenever the armed one reaches its point.
+    if service == "executor" {
+        figures.deaths.push(Timestamp::now().0);
+    }
     system.spawn_to_crash(id, service, &env).await;
     if system.service(id).wait_exit(Duration::from_secs(15)).await.is_some() {
         *figures.crashes.entry(format!("{id} at {point}")).or_default() += 1;
@@ -697,9 +702,12 @@ async fn assert_every_outcome_unknown_is_in_doubt(
             if !died_there {
                 panic!(
                     "task {n} is outcome_unknown and its provider never received it, yet no executor died (nor \
-                     Postgres restarted) between its call intent and the request leaving: {case:?} (seed {}):\n{}",
+                     Postgres restarted) between its call intent and the request leaving: {case:?} (seed {}); \
+                     executor deaths and Postgres restarts (µs): {:?}\n{}\nits log lines:\n{}",
                     plan.seed,
-                    where_they_stand(system, &[*id]).await
+                    figures.deaths,
+                    where_they_stand(system, &[*id]).await,
+                    system.lines_mentioning(&id.to_string())
                 );
             }
             unknown_at_intent += 1;

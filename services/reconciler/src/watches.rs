@@ -10,7 +10,7 @@ use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::calls::{AfterFencedResult, CaseStanding, after_fenced_result};
 use fenceline_domain::cases::{self, LostAttempt, Opening, weighs_key_age};
-use fenceline_domain::ids::{GrantId, TaskId};
+use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::{CaseState, ErrorClass, Phase, RecoveryDecision};
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
 use sqlx::PgConnection;
@@ -19,6 +19,11 @@ use tokio::sync::Notify;
 use fenceline_store::word::Stored;
 
 use crate::ReconcilerSettings;
+
+mod batch;
+
+pub use batch::BatchWrites;
+use batch::{Heard, write_grant_facts};
 
 /// Records grants and calls; opens cases.
 #[derive(Debug)]
@@ -29,105 +34,6 @@ pub struct Watches {
     /// What a batch heard that no event of the same batch reads back, written
     /// when it commits.
     pub batch: BatchWrites,
-}
-
-/// What [`Watches`] gathers over a consumer batch, one statement each at its end.
-#[derive(Debug, Default)]
-pub struct BatchWrites {
-    states: TaskStates,
-    facts: GrantFacts,
-}
-
-/// Grants claimed or ended in a batch, written when it ends: the claims and the
-/// ends that lead to nothing else. An end that opens a case, and a cancel (which
-/// must keep the grant from being re-issued), is written at once, as the re-issue
-/// loop does its own: the grant's row first, then the task's outbox key, so the
-/// two never wait on each other in opposite orders.
-#[derive(Debug, Default)]
-struct GrantFacts(fenceline_bus::gathered::Merged<GrantId, Heard>);
-
-/// What was heard of one grant.
-#[derive(Debug, Default, Clone, Copy)]
-struct Heard {
-    claimed: bool,
-    ended: bool,
-}
-
-impl Heard {
-    const CLAIMED: Heard = Heard { claimed: true, ended: false };
-    const ENDED: Heard = Heard { claimed: false, ended: true };
-}
-
-impl GrantFacts {
-    fn heard(&self, grant_id: GrantId, fact: Heard) {
-        self.0.merge(grant_id, |heard| {
-            heard.claimed |= fact.claimed;
-            heard.ended |= fact.ended;
-        });
-    }
-
-    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        write_grant_facts(tx, self.0.take()).await
-    }
-}
-
-/// Records that grants were claimed or ended, in grant order. A grant not recorded
-/// yet (its `AttemptGranted` comes later, on another topic) has its facts kept in
-/// `early_grant_facts`, which the grant takes when it arrives.
-async fn write_grant_facts(tx: &mut PgConnection, facts: Vec<(GrantId, Heard)>) -> Result<(), sqlx::Error> {
-    if facts.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::bool[], $3::bool[]) AS g (grant_id, claimed, ended)), \
-         updated AS (UPDATE grants SET claimed = grants.claimed OR given.claimed, \
-           ended = grants.ended OR given.ended FROM given WHERE grants.grant_id = given.grant_id \
-           RETURNING grants.grant_id) \
-         INSERT INTO early_grant_facts (grant_id, claimed, ended) \
-         SELECT grant_id, claimed, ended FROM given WHERE grant_id NOT IN (SELECT grant_id FROM updated) \
-         ON CONFLICT (grant_id) DO UPDATE SET claimed = early_grant_facts.claimed OR EXCLUDED.claimed, \
-         ended = early_grant_facts.ended OR EXCLUDED.ended",
-    )
-    .bind(facts.iter().map(|(id, _)| id.as_uuid()).collect::<Vec<_>>())
-    .bind(facts.iter().map(|(_, heard)| heard.claimed).collect::<Vec<_>>())
-    .bind(facts.iter().map(|(_, heard)| heard.ended).collect::<Vec<_>>())
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
-}
-
-/// The newest status snapshot of each task in a consumer batch, for
-/// `task_states` (which only the audit reads, between batches): one statement
-/// per batch instead of one per snapshot.
-#[derive(Debug, Default)]
-pub struct TaskStates(fenceline_bus::gathered::Newest<TaskId, fenceline_events::TaskStatus>);
-
-impl TaskStates {
-    /// Writes each gathered snapshot unless `task_states` holds a version as new,
-    /// in task order.
-    async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let states = self.0.take();
-        if states.is_empty() {
-            return Ok(());
-        }
-        sqlx::query(
-            "INSERT INTO task_states (task_id, tenant, kind, state, reason, version, updated_at_us) \
-             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], \
-             $7::bigint[]) ON CONFLICT (task_id) DO UPDATE SET \
-             state = EXCLUDED.state, reason = EXCLUDED.reason, version = EXCLUDED.version, \
-             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
-        )
-        .bind(states.iter().map(|s| s.task_id.as_uuid()).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.tenant.as_str()).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.kind.as_str()).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.state.as_str()).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.reason.as_deref()).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.version).collect::<Vec<_>>())
-        .bind(states.iter().map(|s| s.updated_at.0).collect::<Vec<_>>())
-        .execute(&mut *tx)
-        .await?;
-        Ok(())
-    }
 }
 
 /// What is known about an attempt's last call when it ended without a result.
@@ -465,74 +371,30 @@ pub fn is_last_call(catalog: &Catalog, kind: &str, step: Option<&str>) -> bool {
 }
 
 impl Handler for Watches {
-    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        self.batch.states.flush(&mut *tx).await?;
-        Ok(self.batch.facts.flush(tx).await?)
+    async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
+        self.write_what_is_read(tx, outbox).await?;
+        Ok(self.batch.flush_facts(tx).await?)
     }
 
     fn discard(&self) {
-        self.batch.states.0.discard();
-        self.batch.facts.0.discard();
+        self.batch.discard();
     }
 
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         match &record.envelope.event {
-            Event::AttemptGranted(g) => {
-                let claim_within_us = i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
-                let granted = serde_json::to_value(g).map_err(|e| HandleError::Poison(e.to_string()))?;
-                // What was heard of this grant before it arrived applies at once.
-                sqlx::query(
-                    "WITH early AS (DELETE FROM early_grant_facts WHERE grant_id = $1 RETURNING claimed, ended) \
-                     INSERT INTO grants (grant_id, task_id, attempt, kind, provider, deadline_us, granted, \
-                     claim_deadline_us, claimed, ended, traceparent) \
-                     SELECT $1::uuid, $2::uuid, $3::int, $4::text, $5::text, $6::bigint, $7::jsonb, now_us() + $8::bigint, \
-                     coalesce(early.claimed, false), coalesce(early.ended, false), $9::text FROM (SELECT 1) AS always LEFT JOIN early ON true \
-                     ON CONFLICT (grant_id) DO NOTHING",
-                )
-                .bind(g.grant_id.as_uuid())
-                .bind(g.task_id.as_uuid())
-                .bind(g.attempt)
-                .bind(&g.kind)
-                .bind(&g.provider)
-                .bind(g.deadline.map(|d| d.0))
-                .bind(granted)
-                .bind(claim_within_us)
-                // A re-issue of the grant joins the task's trace.
-                .bind(fenceline_telemetry::current_traceparent())
-                .execute(&mut *tx)
-                .await?;
-                // A loss heard before this grant opens its case now.
-                let early: Option<sqlx::types::Json<LostCall>> =
-                    sqlx::query_scalar("DELETE FROM early_losses WHERE task_id = $1 AND attempt = $2 RETURNING lost")
-                        .bind(g.task_id.as_uuid())
-                        .bind(g.attempt)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                if let Some(lost) = early {
-                    self.open_case(tx, outbox, lost.0).await?;
-                }
-            }
+            // What was heard of this grant before it arrived applies when the batch's
+            // grants are written; a re-issue of the grant joins the task's trace.
+            Event::AttemptGranted(g) => self.batch.grants.heard(g, fenceline_telemetry::current_traceparent()),
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.
-            Event::CancelAttempt(e) => write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?,
-            Event::AttemptClaimed(e) => self.batch.facts.heard(e.grant_id, Heard::CLAIMED),
-            Event::CallIntentRecorded(e) => {
-                sqlx::query(
-                    "INSERT INTO calls (task_id, attempt, step, provider, operation_key, intent_at_us) \
-                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (task_id, attempt) DO UPDATE SET \
-                     step = EXCLUDED.step, provider = EXCLUDED.provider, operation_key = EXCLUDED.operation_key, \
-                     provider_request_id = NULL, intent_at_us = EXCLUDED.intent_at_us",
-                )
-                .bind(e.task_id.as_uuid())
-                .bind(e.attempt)
-                .bind(&e.step)
-                .bind(&e.provider)
-                .bind(&e.operation_key)
-                .bind(e.recorded_at.0)
-                .execute(&mut *tx)
-                .await?;
+            Event::CancelAttempt(e) => {
+                self.write_what_is_read(tx, outbox).await?;
+                write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
             }
+            Event::AttemptClaimed(e) => self.batch.facts.heard(e.grant_id, Heard::CLAIMED),
+            Event::CallIntentRecorded(e) => self.batch.intents.heard(e),
             Event::ProviderAccepted(e) => {
+                self.write_what_is_read(tx, outbox).await?;
                 sqlx::query("UPDATE calls SET provider_request_id = $3 WHERE task_id = $1 AND attempt = $2")
                     .bind(e.task_id.as_uuid())
                     .bind(e.attempt)
@@ -548,6 +410,7 @@ impl Handler for Watches {
                 self.batch.facts.heard(e.grant_id, Heard::ENDED);
             }
             Event::AttemptFailed(e) => {
+                self.write_what_is_read(tx, outbox).await?;
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
@@ -569,6 +432,7 @@ impl Handler for Watches {
                 self.open_case(tx, outbox, lost).await?;
             }
             Event::AttemptLost(e) => {
+                self.write_what_is_read(tx, outbox).await?;
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let lost = LostCall {
@@ -584,7 +448,10 @@ impl Handler for Watches {
                 };
                 self.open_case(tx, outbox, lost).await?;
             }
-            Event::FencedResultReported(e) => self.fenced_result(tx, outbox, e).await?,
+            Event::FencedResultReported(e) => {
+                self.write_what_is_read(tx, outbox).await?;
+                self.fenced_result(tx, outbox, e).await?;
+            }
             other => {
                 return Err(HandleError::Poison(format!("the reconciler does not take {}", other.event_type())));
             }
@@ -615,6 +482,16 @@ impl Handler for Watches {
 type CallRow = (String, String, String, Option<String>, i64);
 
 impl Watches {
+    /// Writes the batch's grants and call intents gathered so far, before an event
+    /// that reads them back, and opens the cases of losses heard before their grant.
+    async fn write_what_is_read(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
+        let claim_within_us = i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
+        for lost in self.batch.flush_reads(tx, claim_within_us).await? {
+            self.open_case(tx, outbox, lost).await?;
+        }
+        Ok(())
+    }
+
     async fn call_of(
         &self,
         tx: &mut PgConnection,
@@ -631,6 +508,3 @@ impl Watches {
         .await
     }
 }
-
-#[cfg(test)]
-mod tests;

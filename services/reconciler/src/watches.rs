@@ -381,20 +381,20 @@ impl Handler for Watches {
     }
 
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
-        match &record.envelope.event {
+        let event = &record.envelope.event;
+        if writes_or_reads_grants_or_calls(event) {
+            self.write_what_is_read(tx, outbox).await?;
+        }
+        match event {
             // What was heard of this grant before it arrived applies when the batch's
             // grants are written; a re-issue of the grant joins the task's trace.
             Event::AttemptGranted(g) => self.batch.grants.heard(g, fenceline_telemetry::current_traceparent()),
             // A cancelled grant is never re-issued: a re-issue after the cancel would
             // start an execution that knows nothing of it.
-            Event::CancelAttempt(e) => {
-                self.write_what_is_read(tx, outbox).await?;
-                write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
-            }
+            Event::CancelAttempt(e) => write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?,
             Event::AttemptClaimed(e) => self.batch.facts.heard(e.grant_id, Heard::CLAIMED),
             Event::CallIntentRecorded(e) => self.batch.intents.heard(e),
             Event::ProviderAccepted(e) => {
-                self.write_what_is_read(tx, outbox).await?;
                 sqlx::query("UPDATE calls SET provider_request_id = $3 WHERE task_id = $1 AND attempt = $2")
                     .bind(e.task_id.as_uuid())
                     .bind(e.attempt)
@@ -410,7 +410,6 @@ impl Handler for Watches {
                 self.batch.facts.heard(e.grant_id, Heard::ENDED);
             }
             Event::AttemptFailed(e) => {
-                self.write_what_is_read(tx, outbox).await?;
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let phase = if call.as_ref().is_some_and(|c| c.3.is_some()) {
@@ -432,7 +431,6 @@ impl Handler for Watches {
                 self.open_case(tx, outbox, lost).await?;
             }
             Event::AttemptLost(e) => {
-                self.write_what_is_read(tx, outbox).await?;
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
                 let call = self.call_of(tx, e.task_id, e.attempt).await?;
                 let lost = LostCall {
@@ -448,10 +446,7 @@ impl Handler for Watches {
                 };
                 self.open_case(tx, outbox, lost).await?;
             }
-            Event::FencedResultReported(e) => {
-                self.write_what_is_read(tx, outbox).await?;
-                self.fenced_result(tx, outbox, e).await?;
-            }
+            Event::FencedResultReported(e) => self.fenced_result(tx, outbox, e).await?,
             other => {
                 return Err(HandleError::Poison(format!("the reconciler does not take {}", other.event_type())));
             }
@@ -476,6 +471,24 @@ impl Handler for Watches {
             Event::AttemptFailed(e) => e.error_class != ErrorClass::Ambiguous,
             _ => false,
         }
+    }
+}
+
+/// Whether handling `event` reads or writes `grants` or `calls` itself, so that
+/// the grants and intents the batch gathered before it are written first; the
+/// events that are only gathered wait for the batch's end.
+fn writes_or_reads_grants_or_calls(event: &Event) -> bool {
+    match event {
+        Event::AttemptGranted(_)
+        | Event::CallIntentRecorded(_)
+        | Event::AttemptClaimed(_)
+        | Event::AttemptSucceeded(_)
+        | Event::AttemptReleased(_)
+        | Event::StepCheckpointed(_)
+        | Event::AwaitingSignal(_)
+        | Event::TaskStatus(_) => false,
+        Event::AttemptFailed(e) => e.error_class == ErrorClass::Ambiguous,
+        _ => true,
     }
 }
 

@@ -1013,10 +1013,13 @@ proptest! {
                 prop_assert!(t.task.case_id.is_some(), "a person is asked without a case to name");
             }
             // A resend of a key whose first call may have done the work never ends
-            // "failed" on its own: only a person may accept that.
+            // "failed" on its own: only a person may accept that, or end the task by
+            // refusing an approval it reached.
             if before.key_in_doubt && t.task.state == TaskState::Failed {
+                let refused_by_a_person = t.task.reason.as_deref().is_some_and(|r| r.starts_with(REJECTED_BY_PERSON));
                 prop_assert!(
-                    matches!(input, Input::Resolution { action: ResolutionAction::AcceptFailed, .. }),
+                    matches!(input, Input::Resolution { action: ResolutionAction::AcceptFailed, .. })
+                        || refused_by_a_person,
                     "a call in doubt ended failed without a person: {:?}", t.task.reason
                 );
             }

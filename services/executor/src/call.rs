@@ -68,7 +68,10 @@ pub struct Calls {
 
 impl Calls {
     /// One paid step. `Ok(Some(result))`: checkpointed; `Ok(None)`: the attempt
-    /// ended here (failed, released) and its event is written.
+    /// ended here (failed, released) and its event is written. `begun`: the claim
+    /// already wrote the step's `step_started`, and read this call `seq` (its cancel
+    /// flag was read there too, and answered before any step).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn call_step(
         &self,
         step: &StepSpec,
@@ -77,6 +80,7 @@ impl Calls {
         shutdown: &CancellationToken,
         ends: Ends,
         finishes: bool,
+        begun: Option<i32>,
     ) -> Result<Option<StepResult>, Stop> {
         let Some((provider_name, operation)) = step.call() else {
             return Ok(None);
@@ -87,16 +91,21 @@ impl Calls {
             return Ok(None);
         };
         // Before the intent, cancellation and shutdown still cost nothing.
-        let start = Transition::to(Phase::StepStarted).step(&step.name).sequence_of(&step.name);
-        let started = self.recorder.record(lease, start, &[]).await?;
-        let seq = match started.seq {
-            Some(seq) => seq,
-            // A retry found the write committed before; the seq is read on its own.
-            None => crate::record::sequence(&mut *self.pool.acquire().await?, lease, &step.name).await?,
+        let (seq, cancel_requested) = match begun {
+            Some(seq) => (seq, false),
+            None => {
+                let start = Transition::to(Phase::StepStarted).step(&step.name).sequence_of(&step.name);
+                let started = self.recorder.record(lease, start, &[]).await?;
+                let seq = match started.seq {
+                    Some(seq) => seq,
+                    // A retry found the write committed before; the seq is read on its own.
+                    None => crate::record::sequence(&mut *self.pool.acquire().await?, lease, &step.name).await?,
+                };
+                (seq, started.cancel_requested)
+            }
         };
-        if started.cancel_requested || shutdown.is_cancelled() {
-            let reason =
-                if started.cancel_requested { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
+        if cancel_requested || shutdown.is_cancelled() {
+            let reason = if cancel_requested { ReleaseReason::Cancelled } else { ReleaseReason::ShutdownBeforeIntent };
             self.recorder.release(lease, reason).await?;
             return Ok(None);
         }

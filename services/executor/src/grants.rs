@@ -26,7 +26,7 @@ use tokio::time::Instant;
 /// recorded before a restart) is found by the oldest-first claim.
 #[derive(Debug)]
 pub struct Handed {
-    grants: Mutex<VecDeque<uuid::Uuid>>,
+    grants: Mutex<VecDeque<HandedGrant>>,
     /// When [`Handed::next`] last answered "oldest first" while grants were handed.
     last_oldest_first: Mutex<Instant>,
 }
@@ -37,11 +37,32 @@ impl Default for Handed {
     }
 }
 
+/// A grant handed to the workers: its id, and what its claim needs to start the
+/// first step in the same statement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedGrant {
+    pub grant_id: uuid::Uuid,
+    pub kind: String,
+    /// The task's first attempt, of its first generation, resuming after no
+    /// step: nothing can be checkpointed, so the kind's first step is the one to run.
+    pub from_the_first_step: bool,
+}
+
+impl HandedGrant {
+    fn of(grant: &fenceline_events::AttemptGranted) -> Self {
+        HandedGrant {
+            grant_id: grant.grant_id.as_uuid(),
+            kind: grant.kind.clone(),
+            from_the_first_step: grant.attempt == 1 && grant.generation == 0 && grant.resume_after_step.is_none(),
+        }
+    }
+}
+
 impl Handed {
     /// The next grant to claim by id; `None` when none is handed, and once per
     /// `oldest_first_every` while grants are, so that an expired lease or another
     /// instance's grant waits no longer for the oldest-first claim than when idle.
-    pub fn next(&self, oldest_first_every: Duration) -> Option<uuid::Uuid> {
+    pub fn next(&self, oldest_first_every: Duration) -> Option<HandedGrant> {
         let mut last = self.last_oldest_first.lock().unwrap_or_else(PoisonError::into_inner);
         if last.elapsed() >= oldest_first_every {
             *last = Instant::now();
@@ -51,8 +72,8 @@ impl Handed {
         self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
     }
 
-    fn extend(&self, ids: Vec<uuid::Uuid>) {
-        self.grants.lock().unwrap_or_else(PoisonError::into_inner).extend(ids);
+    fn extend(&self, grants: Vec<HandedGrant>) {
+        self.grants.lock().unwrap_or_else(PoisonError::into_inner).extend(grants);
     }
 }
 
@@ -74,7 +95,7 @@ pub struct GrantRecorder {
     /// Grants recorded by the batch in progress: handed to the workers, and as
     /// many idle workers woken, once it commits (a worker woken before the commit
     /// finds nothing to claim).
-    recorded: Arc<Mutex<Vec<uuid::Uuid>>>,
+    recorded: Arc<Mutex<Vec<HandedGrant>>>,
     /// Grants of the batch (or of the event's savepoint) not yet inserted, in the
     /// order they came, each grant id once.
     gathered: Arc<Mutex<Vec<Gathered>>>,
@@ -173,9 +194,8 @@ impl Handler for GrantRecorder {
         .await?;
         let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
         for k in &gathered {
-            let id = k.grant.grant_id.as_uuid();
-            if inserted.contains(&id) {
-                recorded.push(id);
+            if inserted.contains(&k.grant.grant_id.as_uuid()) {
+                recorded.push(HandedGrant::of(&k.grant));
             } else {
                 tracing::info!(grant_id = %k.grant.grant_id, "grant already recorded; a re-issue runs nothing twice");
             }

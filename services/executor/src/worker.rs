@@ -1,7 +1,8 @@
 //! Workers: claim an execution with a lease and a fencing token, keep the lease
 //! alive by heartbeat, and walk the kind's steps through the recorded phases
 //! `claimed → step_started → call_intent → provider_accepted → result_recorded →
-//! finished`. Each phase is its own short fenced transaction ([`crate::record`]); no
+//! finished`; a first attempt's claim may start its first paid step in the same
+//! statement. Each phase is its own short fenced transaction ([`crate::record`]); no
 //! transaction or pooled connection is held while the provider is called
 //! ([`crate::call`]). A takeover after `call_intent` reports `AttemptLost` and does
 //! nothing else: the reconciler decides. The parts call each other in one
@@ -31,6 +32,7 @@ use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
 use crate::call::{Calls, Ends, succeeded};
+use crate::grants::HandedGrant;
 use crate::lease::{Lease, Stop};
 use crate::output::checkpointed_result;
 use crate::record::{Transition, released};
@@ -61,6 +63,9 @@ struct ClaimRow {
     db_now_us: i64,
     /// The trace of the grant; the execution's span continues it.
     traceparent: Option<String>,
+    /// The claim started the execution's step (`step`, phase `step_started`) and
+    /// read its call `seq`, this one.
+    started_seq: Option<i32>,
 }
 
 /// The outputs of the steps already checkpointed, by step name, with the
@@ -152,9 +157,10 @@ impl Workers {
     async fn claim(&self, worker: &str) -> Result<Option<Claimed>, Stop> {
         loop {
             let handed = self.handed.next(Duration::from_millis(self.settings.idle_poll_ms));
+            let was_handed = handed.is_some();
             let claimed = self.claim_next(worker, handed).await?;
             // A handed grant someone else claimed first: the next one.
-            if claimed.is_some() || handed.is_none() {
+            if claimed.is_some() || !was_handed {
                 return Ok(claimed);
             }
         }
@@ -166,39 +172,27 @@ impl Workers {
     ///
     /// A handed grant is ready, never a takeover: its claim is one statement that
     /// commits on its own, and `AttemptClaimed` rides on the execution's first fenced
-    /// write ([`Lease::unannounced`]), where it comes first. A worker lost before that
-    /// write leaves a running execution whose lease expires: the takeover announces
-    /// its own claim. The walk may take a lease over, so it claims, announces or
-    /// reports the attempt lost, and reads the checkpoints in one transaction.
-    async fn claim_next(&self, worker: &str, handed: Option<uuid::Uuid>) -> Result<Option<Claimed>, Stop> {
-        let next = match handed {
-            Some(_) => {
-                "SELECT grant_id FROM executions WHERE grant_id = $3 AND (status = 'ready') IS TRUE \
-                        FOR UPDATE SKIP LOCKED"
-            }
-            None => {
-                "SELECT grant_id FROM executions, clock \
-                     WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
-                     ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED"
-            }
-        };
+    /// write ([`Lease::unannounced`]), where it comes first. A task's first attempt
+    /// whose kind begins with a paid step also starts that step in the claim's
+    /// statement ([`first_paid_step`]): the `step_started` write, with the step's
+    /// call `seq`, costs no statement of its own. A worker lost before its first
+    /// fenced write leaves a running execution whose lease expires: the takeover
+    /// announces its own claim. The walk may take a lease over, so it claims,
+    /// announces or reports the attempt lost, and reads the checkpoints in one
+    /// transaction.
+    async fn claim_next(&self, worker: &str, handed: Option<HandedGrant>) -> Result<Option<Claimed>, Stop> {
         let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        let statement = format!(
-            "WITH clock AS (SELECT now_us() AS now_us), next AS ({next}) \
-             UPDATE executions e SET fencing_token = e.fencing_token + 1, worker = $1, \
-                 lease_expires_at_us = clock.now_us + $2, takeover = (e.status = 'running'), status = 'running', \
-                 first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us), \
-                 phase = COALESCE(e.phase, 'claimed'), phase_at_us = COALESCE(e.phase_at_us, clock.now_us) \
-             FROM next, clock WHERE e.grant_id = next.grant_id \
-             RETURNING e.grant_id, e.task_id, e.attempt, e.generation, e.kind, e.input_json, e.resume_after_step, \
-                 e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
-                 e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
-                 e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
-        );
-        let query = sqlx::query_as(&statement).bind(worker).bind(lease_us);
-        if let Some(grant_id) = handed {
+        if let Some(handed) = handed {
+            let start = first_paid_step(&self.catalog, &handed);
             let sent = Instant::now();
-            let claimed: Option<ClaimRow> = query.bind(grant_id).fetch_optional(&self.pool).await?;
+            let claimed: Option<ClaimRow> = sqlx::query_as(CLAIM_HANDED)
+                .bind(worker)
+                .bind(lease_us)
+                .bind(handed.grant_id)
+                .bind(start)
+                .bind(&handed.kind)
+                .fetch_optional(&self.pool)
+                .await?;
             let Some(claim) = claimed else {
                 return Ok(None);
             };
@@ -213,7 +207,8 @@ impl Workers {
         }
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
-        let claimed: Option<ClaimRow> = query.fetch_optional(&mut *tx).await?;
+        let claimed: Option<ClaimRow> =
+            sqlx::query_as(CLAIM_OLDEST).bind(worker).bind(lease_us).fetch_optional(&mut *tx).await?;
         let Some(claim) = claimed else {
             return Ok(None);
         };
@@ -339,6 +334,8 @@ impl Workers {
         let input: serde_json::Value = serde_json::from_str(&claim.input_json).unwrap_or(serde_json::Value::Null);
         let mut outputs = serde_json::Map::new();
         let mut last: Option<ArtifactRef> = None;
+        // The step the claim started, with its call `seq`.
+        let mut begun = claim.started_seq.zip(claim.step.as_deref());
         for (index, step) in kind.steps.iter().enumerate() {
             if let Some((output, generation)) = done.get(&step.name) {
                 if step.call().is_some() {
@@ -361,7 +358,8 @@ impl Workers {
                     let call_input = serde_json::json!({ "task": input, "steps": outputs });
                     // The last step's checkpoint finishes the attempt in the same write.
                     let finishes = index + 1 == kind.steps.len();
-                    match self.calls.call_step(step, lease, call_input, shutdown, ends, finishes).await? {
+                    let begun = begun.take().filter(|(_, name)| *name == step.name).map(|(seq, _)| seq);
+                    match self.calls.call_step(step, lease, call_input, shutdown, ends, finishes, begun).await? {
                         Some(_) if finishes => {
                             info!(task_id = %lease.task_id, "attempt succeeded");
                             return Ok(());
@@ -434,6 +432,71 @@ fn claimed_event(claim: &ClaimRow, worker: &str) -> Event {
         lease_expires_at: Timestamp(claim.lease_expires_at_us),
         worker: worker.to_owned(),
     })
+}
+
+/// What a claim sets and returns; `$1` the worker, `$2` the lease in micros.
+macro_rules! claim_sets {
+    () => {
+        "fencing_token = e.fencing_token + 1, worker = $1, lease_expires_at_us = clock.now_us + $2, \
+         takeover = (e.status = 'running'), status = 'running', \
+         first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us)"
+    };
+}
+macro_rules! claim_returns {
+    () => {
+        "e.grant_id, e.task_id, e.attempt, e.generation, e.kind, e.input_json, e.resume_after_step, \
+         e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
+         e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
+         e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
+    };
+}
+
+/// The claim of the oldest ready execution or expired lease, which keeps the
+/// phase a lease taken over had reached.
+const CLAIM_OLDEST: &str = concat!(
+    "WITH clock AS (SELECT now_us() AS now_us), next AS ( \
+       SELECT grant_id FROM executions, clock \
+       WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
+       ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED) \
+     UPDATE executions e SET ",
+    claim_sets!(),
+    ", phase = COALESCE(e.phase, 'claimed'), phase_at_us = COALESCE(e.phase_at_us, clock.now_us) \
+     FROM next, clock WHERE e.grant_id = next.grant_id RETURNING ",
+    claim_returns!(),
+    ", NULL::int4 AS started_seq"
+);
+
+/// The claim of handed grant `$3` while it is ready. Given the step `$4` to start
+/// and the kind `$5` it was chosen by, a first attempt of that kind is claimed
+/// straight into `step_started` and the step's call `seq` is read (made at 0 the
+/// first time), as the step's own `step_started` write would; any other is
+/// claimed at `claimed`.
+const CLAIM_HANDED: &str = concat!(
+    "WITH clock AS (SELECT now_us() AS now_us), next AS ( \
+       SELECT grant_id, ($4::text IS NOT NULL AND attempt = 1 AND generation = 0 \
+           AND resume_after_step IS NULL AND kind = $5) AS starts \
+       FROM executions WHERE grant_id = $3 AND (status = 'ready') IS TRUE FOR UPDATE SKIP LOCKED), \
+     claimed AS ( \
+       UPDATE executions e SET ",
+    claim_sets!(),
+    ", phase = CASE WHEN next.starts THEN 'step_started' ELSE COALESCE(e.phase, 'claimed') END, \
+         phase_at_us = CASE WHEN next.starts THEN clock.now_us ELSE COALESCE(e.phase_at_us, clock.now_us) END, \
+         step = CASE WHEN next.starts THEN $4 ELSE e.step END \
+       FROM next, clock WHERE e.grant_id = next.grant_id RETURNING next.starts, ",
+    claim_returns!(),
+    "), \
+     step_seq AS ( \
+       INSERT INTO call_sequences (task_id, generation, step) SELECT task_id, generation, $4 FROM claimed \
+       WHERE starts ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq) \
+     SELECT claimed.*, (SELECT seq FROM step_seq) AS started_seq FROM claimed"
+);
+
+/// The step a handed grant's claim starts: the kind's first step, when the grant is
+/// the task's first attempt and that step is a paid call (not an approval).
+fn first_paid_step<'a>(catalog: &'a Catalog, handed: &HandedGrant) -> Option<&'a str> {
+    let first = catalog.kind(&handed.kind)?.steps.first()?;
+    (handed.from_the_first_step && first.approval_signal.is_none() && first.call().is_some())
+        .then_some(first.name.as_str())
 }
 
 /// The verified results of the task's steps, of this generation or an earlier one.

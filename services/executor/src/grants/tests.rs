@@ -65,7 +65,7 @@ async fn batch(pool: &PgPool, recorder: &GrantRecorder, events: Vec<Event>) {
 
 /// Every grant handed to the workers, in order.
 fn handed(recorder: &GrantRecorder) -> Vec<uuid::Uuid> {
-    std::iter::from_fn(|| recorder.handed.next(Duration::from_secs(3_600))).collect()
+    std::iter::from_fn(|| recorder.handed.next(Duration::from_secs(3_600))).map(|h| h.grant_id).collect()
 }
 
 /// (input, cancel requested) of each execution, by grant id.

@@ -4,8 +4,6 @@
 //! execution or an expired lease and never a live one, and a takeover after the
 //! call intent claims nothing and reports the attempt lost.
 
-use std::collections::BTreeMap;
-
 use crate::record::Recorder;
 
 use super::*;
@@ -23,7 +21,7 @@ async fn workers() -> Workers {
         task_retention_days: 30,
     });
     let outbox = OutboxWriter::new("executor", "test.", 1);
-    let catalog = Arc::new(Catalog { providers: BTreeMap::new(), kinds: BTreeMap::new(), budgets: BTreeMap::new() });
+    let catalog = Arc::new(catalog());
     let recorder = Recorder { pool: pool.clone(), outbox: outbox.clone(), settings: settings.clone() };
     Workers {
         pool: pool.clone(),
@@ -36,6 +34,27 @@ async fn workers() -> Workers {
         name: "test".into(),
         calls: Calls { pool, catalog, providers: Arc::default(), settings, recorder },
     }
+}
+
+/// `image.generate`, one paid step; `image.approved`, an approval before its paid step.
+fn catalog() -> Catalog {
+    Catalog::parse(
+        r#"{
+        "providers": {"imagegen": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
+                                   "rate_per_second": 5, "burst": 5}},
+        "kinds": {"image.generate": {"steps": [{"name": "draw", "provider": "imagegen"}],
+                                     "attempt_budget_ms": 5000},
+                  "image.approved": {"steps": [{"name": "ok", "approval_signal": "approve"},
+                                               {"name": "draw", "provider": "imagegen"}],
+                                     "attempt_budget_ms": 5000}}
+    }"#,
+    )
+    .expect("a valid catalogue")
+}
+
+/// A grant handed for the `image.generate` execution `grant_id`, as its first attempt.
+fn handed(grant_id: uuid::Uuid) -> HandedGrant {
+    HandedGrant { grant_id, kind: "image.generate".into(), from_the_first_step: true }
 }
 
 /// How an execution stands when a test begins.
@@ -88,8 +107,20 @@ async fn events(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT event_type FROM outbox ORDER BY id").fetch_all(pool).await.expect("read the outbox")
 }
 
-async fn claim(workers: &Workers, handed: Option<uuid::Uuid>) -> Option<uuid::Uuid> {
+async fn claim(workers: &Workers, handed: Option<HandedGrant>) -> Option<uuid::Uuid> {
     workers.claim_next("w#0", handed).await.expect("claim").map(|claimed| claimed.claim.grant_id)
+}
+
+/// The call `seq` rows of the task of `grant_id`: (generation, step, seq).
+async fn sequences(pool: &PgPool, grant_id: uuid::Uuid) -> Vec<(i32, String, i32)> {
+    sqlx::query_as(
+        "SELECT s.generation, s.step, s.seq FROM call_sequences s JOIN executions e USING (task_id) \
+         WHERE e.grant_id = $1 ORDER BY 1, 2",
+    )
+    .bind(grant_id)
+    .fetch_all(pool)
+    .await
+    .expect("read the call sequences")
 }
 
 #[tokio::test]
@@ -97,16 +128,20 @@ async fn a_handed_grant_is_claimed_by_its_id_and_only_while_it_is_ready() {
     let workers = workers().await;
     let pool = &workers.pool;
     let older = execution(pool, 60, Standing::Ready).await;
-    let handed = execution(pool, 0, Standing::Ready).await;
+    let handed_id = execution(pool, 0, Standing::Ready).await;
+    // Handed as a later attempt: its claim starts no step.
+    let later = HandedGrant { from_the_first_step: false, ..handed(handed_id) };
+    let handed = handed_id;
 
-    let claimed = workers.claim_next("w#0", Some(handed)).await.expect("claim").expect("the handed grant");
+    let claimed = workers.claim_next("w#0", Some(later.clone())).await.expect("claim").expect("the handed grant");
     assert_eq!(claimed.claim.grant_id, handed, "the handed grant, not the oldest one");
+    assert_eq!(claimed.claim.started_seq, None);
     assert_eq!(standing(pool, handed).await, ("running".into(), 1, Some("claimed".into()), false));
     // The claim committed on its own; its event waits for the first fenced write.
     assert!(events(pool).await.is_empty());
     assert!(matches!(&claimed.announce, Some(Event::AttemptClaimed(e)) if e.fencing_token == 1));
 
-    assert_eq!(claim(&workers, Some(handed)).await, None, "a handed grant already claimed is not claimed again");
+    assert_eq!(claim(&workers, Some(later)).await, None, "a handed grant already claimed is not claimed again");
     assert_eq!(standing(pool, handed).await.1, 1, "and its fencing token stays");
     assert_eq!(standing(pool, older).await, ("ready".into(), 0, None, false), "the other waits for its own claim");
 
@@ -120,6 +155,50 @@ async fn a_handed_grant_is_claimed_by_its_id_and_only_while_it_is_ready() {
     workers.calls.recorder.record(&mut lease, end, &[released]).await.expect("the first fenced write");
     assert_eq!(events(pool).await, ["AttemptClaimed", "AttemptReleased"], "the claim's event first, in the same write");
     assert!(lease.unannounced.is_empty());
+}
+
+#[tokio::test]
+async fn a_first_attempt_is_claimed_with_its_first_paid_step_started_in_the_same_statement() {
+    let workers = workers().await;
+    let pool = &workers.pool;
+    let first = execution(pool, 0, Standing::Ready).await;
+
+    let claimed = workers.claim_next("w#0", Some(handed(first))).await.expect("claim").expect("the handed grant");
+    assert_eq!(claimed.claim.started_seq, Some(0), "the step's first call `seq`, made by the claim");
+    assert_eq!(claimed.claim.step.as_deref(), Some("draw"));
+    assert_eq!(standing(pool, first).await, ("running".into(), 1, Some("step_started".into()), false));
+    assert_eq!(sequences(pool, first).await, [(0, "draw".to_owned(), 0)]);
+    assert!(events(pool).await.is_empty(), "no event yet: the claim rides on the call intent's write");
+
+    // The next fenced write expects `step_started` under the claim's token.
+    let now = Instant::now();
+    let (grant_id, task_id) = (GrantId::from_uuid(first), TaskId::from_uuid(claimed.claim.task_id));
+    let until = now + Duration::from_secs(10);
+    let mut lease = Lease::taken(grant_id, task_id, 1, 0, 1, Phase::StepStarted, until, until);
+    lease.unannounced.extend(claimed.announce);
+    let released = released(&lease, ReleaseReason::Cancelled);
+    let end = Transition::end(&lease, AttemptOutcome::Released);
+    workers.calls.recorder.record(&mut lease, end, &[released]).await.expect("the first fenced write");
+    assert_eq!(events(pool).await, ["AttemptClaimed", "AttemptReleased"]);
+
+    // A kind that begins with an approval, or one this catalogue does not know,
+    // is claimed at `claimed`; so is an execution that is no first attempt,
+    // whatever its grant said.
+    for (kind, attempt) in [("image.approved", 1), ("no.such.kind", 1), ("image.generate", 2)] {
+        let grant_id = execution(pool, 0, Standing::Ready).await;
+        sqlx::query("UPDATE executions SET kind = $2, attempt = $3 WHERE grant_id = $1")
+            .bind(grant_id)
+            .bind(kind)
+            .bind(attempt)
+            .execute(pool)
+            .await
+            .expect("set the kind");
+        let grant = HandedGrant { kind: kind.into(), ..handed(grant_id) };
+        let claimed = workers.claim_next("w#0", Some(grant)).await.expect("claim").expect("the handed grant");
+        assert_eq!(claimed.claim.started_seq, None, "{kind}, attempt {attempt}");
+        assert_eq!(standing(pool, grant_id).await.2.as_deref(), Some("claimed"), "{kind}, attempt {attempt}");
+        assert!(sequences(pool, grant_id).await.is_empty(), "{kind}, attempt {attempt}");
+    }
 }
 
 #[tokio::test]

@@ -647,6 +647,40 @@ async fn a_relay_holding_its_shards_holds_back_its_own_service_and_no_other() {
     drop(held_by_another_service);
 }
 
+/// A relay keeps its shards across rounds only while each round publishes
+/// something: once what was written is out, it lets them all go, so a relay paused
+/// while idle (a long GC, a stopped VM) holds back no shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_lets_its_shards_go_once_it_has_nothing_to_publish() {
+    let (url, prefix) = (fresh_database().await, fresh_topics().await);
+    let topic = topics::named(&prefix, topics::STATUS);
+    let upstream = Upstream::start(&url, &prefix).await;
+    upstream.publish(&events(200, 3)).await;
+    let read = tokio::task::spawn_blocking(move || read_topic(&brokers(), &topic, 600, Duration::from_secs(30)).len());
+    assert_eq!(read.await.expect("reader"), 600, "every row published");
+
+    let shards: Vec<i32> = (0..outbox_config().shards as i32).collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut conn = upstream.db.pool.acquire().await.expect("connection");
+        let taken: Vec<i32> = sqlx::query_scalar(fenceline_bus::relay::SHARD_TRY_LOCK_ALL)
+            .bind(&shards)
+            .fetch_all(&mut *conn)
+            .await
+            .expect("shard locks");
+        // The connection leaves the pool: the locks it took go with it.
+        drop(conn.detach());
+        if taken.len() == shards.len() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "an idle relay still holds shards: only {taken:?} of {shards:?} could be taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A projection that gathers the newest version of each task over a batch and
 /// writes it once when the batch ends (as the scheduler's statuses and intake's
 /// change marks are written); it gathers an event before refusing it, so that

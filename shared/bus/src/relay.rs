@@ -43,6 +43,17 @@ const DELETE_PUBLISHED: &str = "DELETE FROM outbox WHERE id = ANY($1)";
 const PURGE_KEPT: &str = "DELETE FROM outbox WHERE published_at < now() - make_interval(secs => $1) \
      OR refused_at < now() - interval '7 days'";
 
+/// Longest a relay keeps its shards across busy rounds before it lets them go and
+/// takes them afresh, giving another instance's relay a turn.
+pub const HOLD_AT_MOST: Duration = Duration::from_secs(1);
+
+/// The shards a relay holds across rounds while they keep it busy, and since when.
+#[derive(Debug, Default)]
+struct Held {
+    shards: Vec<i32>,
+    since: Option<tokio::time::Instant>,
+}
+
 /// Counters of one relay, for tests, benchmarks and metrics.
 #[derive(Debug, Default)]
 pub struct RelayStats {
@@ -182,6 +193,7 @@ impl Relay {
     /// Publishes until `shutdown`, then a last round, then flushes the producer.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut lock_conn: Option<PgConnection> = None;
+        let mut held = Held::default();
         let mut backoff = Duration::from_millis(100);
         // Instances start at different shards so that they rarely contend.
         let mut next_start = usize::from(rand_start(self.config.shards));
@@ -200,7 +212,7 @@ impl Relay {
                     }
                 },
             };
-            match self.round(conn, next_start).await {
+            match self.round(conn, next_start, &mut held).await {
                 Ok(published) => {
                     backoff = Duration::from_millis(100);
                     self.stats.rounds.fetch_add(1, Ordering::Relaxed);
@@ -216,6 +228,7 @@ impl Relay {
                     warn!(relay = %self.name, error = %e, "outbox relay round failed; unconfirmed rows will be sent again");
                     // The lock connection may be broken; its locks die with it.
                     lock_conn = None;
+                    held = Held::default();
                     sleep_or_cancel(&shutdown, backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
@@ -231,7 +244,7 @@ impl Relay {
         }
         // A last round for what was written while the service drained.
         if let Some(conn) = lock_conn.as_mut()
-            && let Err(e) = self.round(conn, next_start).await
+            && let Err(e) = self.round(conn, next_start, &mut held).await
         {
             warn!(relay = %self.name, error = %e, "the last outbox round failed; unconfirmed rows are sent on restart");
         }
@@ -239,34 +252,46 @@ impl Relay {
         info!(relay = %self.name, "outbox relay stopped");
     }
 
-    /// Visits every shard once; returns how many rows were published. A round costs
-    /// a fixed number of statements whatever the number of shards: one finds the
-    /// shards with rows waiting, one locks those it can, one reads a batch of all
-    /// of them, one marks it, one unlocks (an idle round is only the first).
-    async fn round(&self, lock_conn: &mut PgConnection, start: usize) -> Result<usize, Error> {
-        let shards = i32::from(self.config.shards.max(1));
-        // Only a shard with rows waiting is locked: an idle round holds no lock, so
-        // a relay paused between rounds (a long GC, a stopped VM) blocks no shard.
-        let waiting: Vec<i32> = sqlx::query_scalar(
-            "SELECT s FROM generate_series(0, $1 - 1) s WHERE EXISTS \
-             (SELECT 1 FROM outbox WHERE shard = s AND published_at IS NULL AND refused_at IS NULL)",
-        )
-        .bind(shards)
-        .fetch_all(&self.pool)
-        .await?;
-        if waiting.is_empty() {
-            return Ok(0);
+    /// Publishes what waits in the shards this relay holds, or can take; returns
+    /// how many rows were published. An idle relay holds no shard: its round is one
+    /// statement that finds the shards with rows waiting. When some are waiting it
+    /// takes every shard it can in one statement (from its start shard on, so that
+    /// instances rarely contend), and keeps them for the rounds that follow while
+    /// each publishes something, up to [`HOLD_AT_MOST`]: a busy round is then only
+    /// the batch's read and its delete. A round that finds nothing (or holds past
+    /// [`HOLD_AT_MOST`], or fails) lets the shards go in one statement, so a relay
+    /// paused between rounds while idle (a long GC, a stopped VM) blocks no shard.
+    async fn round(&self, lock_conn: &mut PgConnection, start: usize, held: &mut Held) -> Result<usize, Error> {
+        if held.shards.is_empty() {
+            let shards = i32::from(self.config.shards.max(1));
+            let waiting: Vec<i32> = sqlx::query_scalar(
+                "SELECT s FROM generate_series(0, $1 - 1) s WHERE EXISTS \
+                 (SELECT 1 FROM outbox WHERE shard = s AND published_at IS NULL AND refused_at IS NULL)",
+            )
+            .bind(shards)
+            .fetch_all(&self.pool)
+            .await?;
+            if waiting.is_empty() {
+                return Ok(0);
+            }
+            // Every shard, not only those waiting: rows written to any of them
+            // while this relay holds them are published without another look.
+            let start = start as i32 % shards;
+            let every: Vec<i32> = (0..shards).map(|n| (start + n) % shards).collect();
+            let locked: Vec<i32> =
+                sqlx::query_scalar(SHARD_TRY_LOCK_ALL).bind(&every).fetch_all(&mut *lock_conn).await?;
+            if locked.is_empty() {
+                return Ok(0);
+            }
+            *held = Held { shards: locked, since: Some(tokio::time::Instant::now()) };
         }
-        // From this instance's start shard on, so that instances rarely contend.
-        let start = start as i32 % shards;
-        let mut waiting = waiting;
-        waiting.sort_by_key(|&s| (s - start).rem_euclid(shards));
-        let locked: Vec<i32> = sqlx::query_scalar(SHARD_TRY_LOCK_ALL).bind(&waiting).fetch_all(&mut *lock_conn).await?;
-        if locked.is_empty() {
-            return Ok(0);
+        let result = self.drain_shards(&held.shards).await;
+        let busy = matches!(result, Ok(published) if published > 0);
+        if !busy || held.since.is_some_and(|since| since.elapsed() >= HOLD_AT_MOST) {
+            let shards = std::mem::take(&mut held.shards);
+            held.since = None;
+            sqlx::query(SHARD_UNLOCK_ALL).bind(&shards).execute(&mut *lock_conn).await?;
         }
-        let result = self.drain_shards(&locked).await;
-        sqlx::query(SHARD_UNLOCK_ALL).bind(&locked).execute(&mut *lock_conn).await?;
         result
     }
 

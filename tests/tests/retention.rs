@@ -287,7 +287,8 @@ async fn the_executor_purges_only_tasks_whose_status_is_final_past_the_retention
     let writer = OutboxWriter::new(fenceline_scheduler::NAME, &prefix, outbox_config().shards);
     start_relay("scheduler-relay", &scheduler, &kafka(&prefix), &writer, &shutdown);
     write_outbox(&scheduler.pool, &writer, topics::STATUS, &events, 1).await;
-    let consumer = status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown);
+    let consumer =
+        status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection::default(), &shutdown);
     wait_consumed(&consumer.stats(), events.len() as u64).await;
 
     let purged =
@@ -362,7 +363,7 @@ async fn a_purged_task_gets_a_tombstone_on_the_status_topic_that_every_consumer_
     assert_eq!(of_task[1].payload(), None, "then a record with a null value");
 
     let consumers = [
-        status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection, &shutdown),
+        status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection::default(), &shutdown),
         status_consumer(&intake, &prefix, fenceline_intake::tasks::StatusProjection::default(), &shutdown),
     ];
     for consumer in &consumers {

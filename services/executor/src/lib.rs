@@ -124,7 +124,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         &[topics::DISPATCH],
         grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
     )?;
-    app.consume("status", &[topics::STATUS], retention::StatusProjection)?;
+    app.consume("status", &[topics::STATUS], retention::StatusProjection::default())?;
     let recorder = record::Recorder {
         pool: app.base.database.pool.clone(),
         outbox: app.base.outbox.clone(),

@@ -2,16 +2,36 @@
 
 use std::time::Duration;
 
+use fenceline_bus::gathered::Newest;
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
+use fenceline_domain::ids::TaskId;
 use fenceline_events::{Event, Timestamp};
 use sqlx::{PgConnection, PgPool};
 
-/// Keeps the final status of each task that reached one, from `fenceline.status`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StatusProjection;
+/// Keeps the final status of each task that reached one, from `fenceline.status`:
+/// gathered over a consumer batch (the newest per task) and written with one
+/// statement just before the batch commits, instead of one per event.
+#[derive(Debug, Default)]
+pub struct StatusProjection {
+    finals: Newest<TaskId, FinalState>,
+}
+
+/// A task's final status as the projection keeps it.
+#[derive(Debug)]
+struct FinalState {
+    task_id: uuid::Uuid,
+    state: &'static str,
+    version: i64,
+    updated_at_us: i64,
+}
 
 impl Handler for StatusProjection {
-    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+    async fn handle(
+        &self,
+        _tx: &mut PgConnection,
+        _outbox: &OutboxWriter,
+        record: &Inbound,
+    ) -> Result<(), HandleError> {
         let Event::TaskStatus(s) = &record.envelope.event else {
             return Err(HandleError::Poison(format!(
                 "the executor's status projection does not take {}",
@@ -20,21 +40,45 @@ impl Handler for StatusProjection {
         };
         // Only a final state makes a task's rows eligible for the purge, and a final
         // state is never left (the lifecycle's property tests hold it), so the other
-        // snapshots (queued, running, each phase: most of them) cost no statement.
-        if !s.state.is_final() {
+        // snapshots (queued, running, each phase: most of them) cost nothing.
+        if s.state.is_final() {
+            self.finals.keep(s.task_id, s.version, || FinalState {
+                task_id: s.task_id.as_uuid(),
+                state: s.state.as_str(),
+                version: s.version,
+                updated_at_us: s.updated_at.0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes the batch's final states in task order; a stored newer version stays.
+    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
+        let finals = self.finals.take();
+        if finals.is_empty() {
             return Ok(());
         }
-        let statement = "INSERT INTO task_states (task_id, state, version, updated_at_us) VALUES ($1, $2, $3, $4) \
+        let ids: Vec<uuid::Uuid> = finals.iter().map(|f| f.task_id).collect();
+        let states: Vec<&str> = finals.iter().map(|f| f.state).collect();
+        let versions: Vec<i64> = finals.iter().map(|f| f.version).collect();
+        let times: Vec<i64> = finals.iter().map(|f| f.updated_at_us).collect();
+        sqlx::query(
+            "INSERT INTO task_states (task_id, state, version, updated_at_us) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::bigint[], $4::bigint[]) \
              ON CONFLICT (task_id) DO UPDATE SET state = EXCLUDED.state, version = EXCLUDED.version, \
-             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version";
-        sqlx::query(statement)
-            .bind(s.task_id.as_uuid())
-            .bind(s.state.as_str())
-            .bind(s.version)
-            .bind(s.updated_at.0)
-            .execute(&mut *tx)
-            .await?;
+             updated_at_us = EXCLUDED.updated_at_us WHERE task_states.version < EXCLUDED.version",
+        )
+        .bind(ids)
+        .bind(states)
+        .bind(versions)
+        .bind(times)
+        .execute(&mut *tx)
+        .await?;
         Ok(())
+    }
+
+    fn discard(&self) {
+        self.finals.discard();
     }
 
     /// A snapshot sent again changes nothing: only a newer version writes.

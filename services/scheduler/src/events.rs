@@ -107,6 +107,7 @@ impl LifecycleEvents {
             channel: &self.channel,
             statuses: Some(&self.statuses),
             ends: &self.ends,
+            grants: None,
         }
     }
 

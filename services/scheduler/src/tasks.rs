@@ -12,7 +12,10 @@ use fenceline_events::{ArtifactRef, AttemptGranted, CancelAttempt, Event, TaskSt
 use sqlx::PgConnection;
 use std::time::Duration;
 
+use self::grants::{GrantBatch, GrantWrite};
 use crate::SchedulerSettings;
+
+pub mod grants;
 
 /// A task row as the scheduler keeps it.
 #[derive(Debug, Clone)]
@@ -109,6 +112,9 @@ pub struct Context<'a> {
     pub statuses: Option<&'a StatusBatch>,
     /// Where the transaction keeps the tasks it finishes, timed once it commits.
     pub ends: &'a Ends,
+    /// Where a dispatch round gathers its grants' writes, made when it ends;
+    /// `None` writes each grant at once.
+    pub grants: Option<&'a GrantBatch>,
 }
 
 impl Context<'_> {
@@ -329,34 +335,6 @@ async fn carry_out(
             let calls = kind.map(|k| k.calls_after(resume_after_step.as_deref())).unwrap_or_default();
             let provider = calls.first().map(|(name, _)| (*name).to_owned()).unwrap_or_default();
             let budget = kind.map_or(60_000, |k| k.attempt_budget_ms);
-            // A slot whose end is never heard expires after twice the attempt budget,
-            // by the database's clock.
-            let lifetime_us = i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2);
-            sqlx::query(
-                "INSERT INTO slots (grant_id, task_id, provider, tenant, kind, expires_at_us) \
-                 VALUES ($1, $2, $3, $4, $5, now_us() + $6) ON CONFLICT DO NOTHING",
-            )
-            .bind(grant_id.as_uuid())
-            .bind(row.task_id.as_uuid())
-            .bind(&provider)
-            .bind(&row.tenant)
-            .bind(&row.kind)
-            .bind(lifetime_us)
-            .execute(&mut *tx)
-            .await?;
-            let others: Vec<&str> = calls.iter().skip(1).map(|(name, _)| *name).collect();
-            if !others.is_empty() {
-                // With the very expiry of the grant's own slot.
-                sqlx::query(
-                    "INSERT INTO other_provider_slots (grant_id, task_id, provider, expires_at_us) \
-                     SELECT s.grant_id, s.task_id, p.provider, s.expires_at_us \
-                     FROM slots s, unnest($2::text[]) AS p(provider) WHERE s.grant_id = $1 ON CONFLICT DO NOTHING",
-                )
-                .bind(grant_id.as_uuid())
-                .bind(&others)
-                .execute(&mut *tx)
-                .await?;
-            }
             let event = Event::AttemptGranted(AttemptGranted {
                 grant_id: *grant_id,
                 task_id: row.task_id,
@@ -372,7 +350,21 @@ async fn carry_out(
                 deadline: task.deadline.map(Timestamp),
                 granted_at: Timestamp(now),
             });
-            ctx.outbox.append(tx, topics::DISPATCH, None, &event).await?;
+            let grant = GrantWrite {
+                grant_id: grant_id.as_uuid(),
+                task_id: row.task_id.as_uuid(),
+                provider,
+                tenant: row.tenant.clone(),
+                kind: row.kind.clone(),
+                // A slot whose end is never heard expires after twice the attempt budget.
+                lifetime_us: i64::try_from(budget.saturating_mul(2_000)).unwrap_or(i64::MAX / 2),
+                other_providers: calls.iter().skip(1).map(|(name, _)| (*name).to_owned()).collect(),
+                announced: ctx.outbox.row(topics::DISPATCH, &event)?,
+            };
+            match ctx.grants {
+                Some(batch) => batch.keep(grant),
+                None => grants::write(tx, vec![grant]).await?,
+            }
         }
         Effect::CancelAttempt { grant_id } => {
             let event = Event::CancelAttempt(CancelAttempt {

@@ -149,6 +149,7 @@ impl Dispatcher {
         let mut committed = Committed::default();
         let ends = tasks::Ends::default();
         let statuses = tasks::StatusBatch::default();
+        let grants = tasks::grants::GrantBatch::default();
         // Providers whose tasks cannot be granted this round; a full page of heads
         // for them must not hide the due tasks of other providers.
         let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
@@ -163,7 +164,7 @@ impl Dispatcher {
                 {
                     continue;
                 }
-                match self.try_grant(&mut tx, &mut round, (&ends, &statuses), &head, &mut committed).await? {
+                match self.try_grant(&mut tx, &mut round, (&ends, &statuses, &grants), &head, &mut committed).await? {
                     Tried::Granted(granted) => committed.grants.push(granted),
                     Tried::HeldBack(HeldBack::ProviderFull(full)) => excluded.push(full),
                     Tried::HeldBack(HeldBack::RateLimited(limited, until)) => {
@@ -185,8 +186,9 @@ impl Dispatcher {
         store::move_turns(&mut tx, &tenants, now).await?;
         let buckets: Vec<(&str, f64, Micros)> = round.buckets_taken().collect();
         store::write_buckets(&mut tx, &buckets).await?;
-        tasks::save_all(&mut tx, self.context(&ends, &statuses), &committed.changed).await?;
+        tasks::save_all(&mut tx, self.context(&ends, &statuses, &grants), &committed.changed).await?;
         statuses.flush(&mut tx, &self.outbox).await?;
+        grants.flush(&mut tx).await?;
         tx.commit().await?;
         ends.observe();
         let metrics = &fenceline_telemetry::metrics::global().scheduler;
@@ -216,7 +218,7 @@ impl Dispatcher {
         &self,
         tx: &mut PgConnection,
         round: &mut Round,
-        (ends, statuses): (&tasks::Ends, &tasks::StatusBatch),
+        (ends, statuses, grants): (&tasks::Ends, &tasks::StatusBatch, &tasks::grants::GrantBatch),
         head: &Head,
         committed: &mut Committed,
     ) -> Result<Tried, fenceline_bus::Error> {
@@ -230,7 +232,7 @@ impl Dispatcher {
         span.follows_from(tracing::Span::current().id());
         fenceline_telemetry::continue_trace(&span, row.traceparent.as_deref());
         fenceline_telemetry::record_trace_id(&span);
-        let ctx = self.context(ends, statuses);
+        let ctx = self.context(ends, statuses, grants);
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
             committed.changed.push(tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await?);
             committed.lateness.extend(late);
@@ -284,8 +286,13 @@ impl Dispatcher {
     }
 
     /// What a round's transaction applies the lifecycle with: its statuses gathered,
-    /// one per task, and appended when it ends.
-    fn context<'a>(&'a self, ends: &'a tasks::Ends, statuses: &'a tasks::StatusBatch) -> Context<'a> {
+    /// one per task, and its grants' writes, made when it ends.
+    fn context<'a>(
+        &'a self,
+        ends: &'a tasks::Ends,
+        statuses: &'a tasks::StatusBatch,
+        grants: &'a tasks::grants::GrantBatch,
+    ) -> Context<'a> {
         Context {
             outbox: &self.outbox,
             catalog: &self.catalog,
@@ -293,6 +300,7 @@ impl Dispatcher {
             channel: &self.channel,
             statuses: Some(statuses),
             ends,
+            grants: Some(grants),
         }
     }
 

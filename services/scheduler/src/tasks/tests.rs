@@ -205,6 +205,7 @@ impl Setting {
             channel: &self.channel,
             statuses: None,
             ends: &self.ends,
+            grants: None,
         }
     }
 }

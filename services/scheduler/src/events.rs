@@ -28,6 +28,8 @@ pub struct LifecycleEvents {
     pub settings: Arc<SchedulerSettings>,
     pub channel: Arc<str>,
     pub statuses: tasks::StatusBatch,
+    /// The slots its batch gives back, released when the batch ends.
+    pub slots: tasks::slots::SlotWrites,
     pub held: HeldRows,
     /// The tasks this consumer's batch finished, timed when it commits.
     pub ends: tasks::Ends,
@@ -107,7 +109,7 @@ impl LifecycleEvents {
             channel: &self.channel,
             statuses: Some(&self.statuses),
             ends: &self.ends,
-            grants: None,
+            slots: Some(&self.slots),
         }
     }
 
@@ -249,11 +251,13 @@ impl Handler for LifecycleEvents {
 
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
         tasks::save_all(tx, self.ctx(outbox), &self.held.take_changed()).await?;
+        self.slots.flush(tx, &self.channel).await?;
         Ok(self.statuses.flush(tx, outbox).await?)
     }
 
     fn discard(&self) {
         self.held.clear();
+        self.slots.discard();
         self.statuses.discard();
         self.ends.discard();
     }

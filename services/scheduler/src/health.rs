@@ -22,18 +22,23 @@ pub async fn observe(
     health: Health,
     now: Micros,
 ) -> Result<(), sqlx::Error> {
-    let provider: Option<String> = sqlx::query_scalar("SELECT provider FROM slots WHERE grant_id = $1")
-        .bind(grant_id.as_uuid())
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some((provider, policy)) =
-        provider.and_then(|name| catalog.provider(&name)?.adaptive_policy().map(|policy| (name, policy)))
-    else {
+    // The slot's provider and its limit, read without a lock first: a healthy
+    // provider at its ceiling stays there, and most outcomes then write nothing (no
+    // row lock shared by every consumer).
+    let found: Option<(String, Option<Json<AdaptiveLimit>>)> = sqlx::query_as(
+        "SELECT s.provider, l.state FROM slots s LEFT JOIN provider_limits l ON l.provider = s.provider \
+         WHERE s.grant_id = $1",
+    )
+    .bind(grant_id.as_uuid())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((provider, policy, stored)) = found.and_then(|(name, stored)| {
+        let policy = catalog.provider(&name)?.adaptive_policy()?;
+        Some((name, policy, stored))
+    }) else {
         return Ok(());
     };
-    // Read without a lock first: a healthy provider at its ceiling stays there, and
-    // most outcomes then write nothing (no row lock shared by every consumer).
-    let seen = read(&mut *tx, &provider, &policy).await?;
+    let seen = stored.map_or_else(|| AdaptiveLimit::full(&policy), |json| json.0);
     if seen.observe(health, now, &policy) == (seen, Change::Unchanged) {
         return Ok(());
     }

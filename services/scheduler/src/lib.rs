@@ -112,6 +112,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         settings: settings.clone(),
         channel: channel.clone(),
         statuses: Default::default(),
+        slots: Default::default(),
         held: Default::default(),
         ends: Default::default(),
     };

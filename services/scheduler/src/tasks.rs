@@ -5,17 +5,17 @@
 use fenceline_bus::OutboxWriter;
 use fenceline_config::catalog::Catalog;
 use fenceline_domain::calls::Backoff;
-use fenceline_domain::ids::{GrantId, TaskId};
+use fenceline_domain::ids::TaskId;
 use fenceline_domain::lifecycle::{Artifact, Effect, Input, Micros, Policy, Task};
 use fenceline_domain::vocabulary::TaskState;
 use fenceline_events::{ArtifactRef, AttemptGranted, CancelAttempt, Event, TaskStatus, Timestamp, topics};
 use sqlx::PgConnection;
 use std::time::Duration;
 
-use self::grants::{GrantBatch, GrantWrite};
+use self::slots::{GrantWrite, SlotWrites};
 use crate::SchedulerSettings;
 
-pub mod grants;
+pub mod slots;
 
 /// A task row as the scheduler keeps it.
 #[derive(Debug, Clone)]
@@ -112,9 +112,9 @@ pub struct Context<'a> {
     pub statuses: Option<&'a StatusBatch>,
     /// Where the transaction keeps the tasks it finishes, timed once it commits.
     pub ends: &'a Ends,
-    /// Where a dispatch round gathers its grants' writes, made when it ends;
-    /// `None` writes each grant at once.
-    pub grants: Option<&'a GrantBatch>,
+    /// Where the transaction gathers the slots it takes and gives back, written
+    /// when it ends; `None` writes each at once.
+    pub slots: Option<&'a SlotWrites>,
 }
 
 impl Context<'_> {
@@ -361,9 +361,9 @@ async fn carry_out(
                 other_providers: calls.iter().skip(1).map(|(name, _)| (*name).to_owned()).collect(),
                 announced: ctx.outbox.row(topics::DISPATCH, &event)?,
             };
-            match ctx.grants {
-                Some(batch) => batch.keep(grant),
-                None => grants::write(tx, vec![grant]).await?,
+            match ctx.slots {
+                Some(batch) => batch.grant(grant),
+                None => slots::write(tx, vec![grant]).await?,
             }
         }
         Effect::CancelAttempt { grant_id } => {
@@ -374,22 +374,11 @@ async fn carry_out(
             });
             ctx.outbox.append(tx, topics::DISPATCH, None, &event).await?;
         }
-        Effect::ReleaseSlot { grant_id } => release_slot(tx, ctx.channel, *grant_id).await?,
+        Effect::ReleaseSlot { grant_id } => match ctx.slots {
+            Some(batch) => batch.release(*grant_id),
+            None => slots::release(tx, ctx.channel, &[grant_id.as_uuid()]).await?,
+        },
     }
-    Ok(())
-}
-
-/// Gives a grant's slots back, at every provider it holds one, and wakes the
-/// dispatchers at commit.
-pub async fn release_slot(tx: &mut PgConnection, channel: &str, grant_id: GrantId) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "WITH own AS (DELETE FROM slots WHERE grant_id = $1), \
-         others AS (DELETE FROM other_provider_slots WHERE grant_id = $1) SELECT pg_notify($2, '')",
-    )
-    .bind(grant_id.as_uuid())
-    .bind(channel)
-    .execute(&mut *tx)
-    .await?;
     Ok(())
 }
 

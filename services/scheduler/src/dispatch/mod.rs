@@ -149,7 +149,7 @@ impl Dispatcher {
         let mut committed = Committed::default();
         let ends = tasks::Ends::default();
         let statuses = tasks::StatusBatch::default();
-        let grants = tasks::grants::GrantBatch::default();
+        let slots = tasks::slots::SlotWrites::default();
         // Providers whose tasks cannot be granted this round; a full page of heads
         // for them must not hide the due tasks of other providers.
         let mut excluded: Vec<String> = rate_blocked.keys().cloned().collect();
@@ -164,7 +164,7 @@ impl Dispatcher {
                 {
                     continue;
                 }
-                match self.try_grant(&mut tx, &mut round, (&ends, &statuses, &grants), &head, &mut committed).await? {
+                match self.try_grant(&mut tx, &mut round, (&ends, &statuses, &slots), &head, &mut committed).await? {
                     Tried::Granted(granted) => committed.grants.push(granted),
                     Tried::HeldBack(HeldBack::ProviderFull(full)) => excluded.push(full),
                     Tried::HeldBack(HeldBack::RateLimited(limited, until)) => {
@@ -186,9 +186,9 @@ impl Dispatcher {
         store::move_turns(&mut tx, &tenants, now).await?;
         let buckets: Vec<(&str, f64, Micros)> = round.buckets_taken().collect();
         store::write_buckets(&mut tx, &buckets).await?;
-        tasks::save_all(&mut tx, self.context(&ends, &statuses, &grants), &committed.changed).await?;
+        tasks::save_all(&mut tx, self.context(&ends, &statuses, &slots), &committed.changed).await?;
         statuses.flush(&mut tx, &self.outbox).await?;
-        grants.flush(&mut tx).await?;
+        slots.flush(&mut tx, &self.channel).await?;
         tx.commit().await?;
         ends.observe();
         let metrics = &fenceline_telemetry::metrics::global().scheduler;
@@ -218,7 +218,7 @@ impl Dispatcher {
         &self,
         tx: &mut PgConnection,
         round: &mut Round,
-        (ends, statuses, grants): (&tasks::Ends, &tasks::StatusBatch, &tasks::grants::GrantBatch),
+        (ends, statuses, slots): (&tasks::Ends, &tasks::StatusBatch, &tasks::slots::SlotWrites),
         head: &Head,
         committed: &mut Committed,
     ) -> Result<Tried, fenceline_bus::Error> {
@@ -232,7 +232,7 @@ impl Dispatcher {
         span.follows_from(tracing::Span::current().id());
         fenceline_telemetry::continue_trace(&span, row.traceparent.as_deref());
         fenceline_telemetry::record_trace_id(&span);
-        let ctx = self.context(ends, statuses, grants);
+        let ctx = self.context(ends, statuses, slots);
         if row.lifecycle.deadline.is_some_and(|d| d <= now) {
             committed.changed.push(tasks::apply(tx, ctx, &row, Input::DeadlinePassed, now).instrument(span).await?);
             committed.lateness.extend(late);
@@ -286,12 +286,12 @@ impl Dispatcher {
     }
 
     /// What a round's transaction applies the lifecycle with: its statuses gathered,
-    /// one per task, and its grants' writes, made when it ends.
+    /// one per task, and the slots it takes and gives back, written when it ends.
     fn context<'a>(
         &'a self,
         ends: &'a tasks::Ends,
         statuses: &'a tasks::StatusBatch,
-        grants: &'a tasks::grants::GrantBatch,
+        slots: &'a tasks::slots::SlotWrites,
     ) -> Context<'a> {
         Context {
             outbox: &self.outbox,
@@ -300,7 +300,7 @@ impl Dispatcher {
             channel: &self.channel,
             statuses: Some(statuses),
             ends,
-            grants: Some(grants),
+            slots: Some(slots),
         }
     }
 

@@ -11,6 +11,7 @@ use sqlx::postgres::PgListener;
 
 use super::*;
 use crate::test_schema;
+use fenceline_domain::ids::GrantId;
 
 fn status(task_id: TaskId, version: i64) -> Event {
     let row = TaskRow {
@@ -205,7 +206,7 @@ impl Setting {
             channel: &self.channel,
             statuses: None,
             ends: &self.ends,
-            grants: None,
+            slots: None,
         }
     }
 }
@@ -320,7 +321,7 @@ async fn releasing_a_slot_frees_only_that_grants_rows() {
         .expect("insert another provider's slot");
     }
     let mut tx = db.pool.begin().await.expect("begin");
-    release_slot(&mut tx, &channel(), GrantId::from_uuid(mine)).await.expect("release");
+    super::slots::release(&mut tx, &channel(), &[mine]).await.expect("release");
     tx.commit().await.expect("commit");
     let left: Vec<(uuid::Uuid, String)> = sqlx::query_as(
         "SELECT grant_id, provider FROM slots UNION ALL SELECT grant_id, provider FROM other_provider_slots ORDER BY 2",

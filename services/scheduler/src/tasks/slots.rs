@@ -1,9 +1,11 @@
-//! The writes that make a grant: its slot at each provider it calls and its
-//! `AttemptGranted` in the outbox, gathered over a dispatch round and written with
-//! two statements when the round ends instead of two (or three) a grant.
+//! The writes that take and give back slots: a grant's slot at each provider it
+//! calls with its `AttemptGranted`, and an ended attempt's release, gathered over a
+//! dispatch round or a consumer batch and written with a statement or two when it
+//! ends instead of two or three a grant and one a release.
 
 use fenceline_bus::OutboxRow;
 use fenceline_bus::gathered::All;
+use fenceline_domain::ids::GrantId;
 use sqlx::PgConnection;
 
 /// One grant's writes.
@@ -24,22 +26,57 @@ pub struct GrantWrite {
     pub announced: OutboxRow,
 }
 
-/// The grants of one dispatch round, written just before it commits. Admission
-/// learns every provider's and tenant's slots a candidate needs before it grants,
-/// then books each grant in memory ([`fenceline_domain::admission::Round`]), so
-/// nothing in the round reads the slots its own grants will take.
+/// The slots a dispatch round or a consumer batch takes and gives back, written
+/// just before it commits (and forgotten if it rolls back). Admission learns every
+/// provider's and tenant's slots a candidate needs before it grants, then books
+/// each grant in memory ([`fenceline_domain::admission::Round`]), so nothing in a
+/// round reads the slots its own grants will take. A release waits for the end of
+/// the batch: an attempt's outcome reads its slot first ([`crate::health::observe`]),
+/// and a later outcome of the same grant is no longer its task's live one.
 #[derive(Debug, Default)]
-pub struct GrantBatch(All<GrantWrite>);
+pub struct SlotWrites {
+    granted: All<GrantWrite>,
+    released: All<uuid::Uuid>,
+}
 
-impl GrantBatch {
-    pub fn keep(&self, grant: GrantWrite) {
-        self.0.push(grant);
+impl SlotWrites {
+    pub fn grant(&self, grant: GrantWrite) {
+        self.granted.push(grant);
     }
 
-    /// Writes the gathered grants in `tx`.
-    pub async fn flush(&self, tx: &mut PgConnection) -> Result<(), fenceline_bus::Error> {
-        write(tx, self.0.take()).await
+    pub fn release(&self, grant_id: GrantId) {
+        self.released.push(grant_id.as_uuid());
     }
+
+    /// Forgets what a rolled-back batch (or savepoint) gathered.
+    pub fn discard(&self) {
+        self.granted.discard();
+        self.released.discard();
+    }
+
+    /// Writes what was gathered in `tx`; a release wakes the dispatchers at commit.
+    pub async fn flush(&self, tx: &mut PgConnection, channel: &str) -> Result<(), fenceline_bus::Error> {
+        write(tx, self.granted.take()).await?;
+        release(tx, channel, &self.released.take()).await?;
+        Ok(())
+    }
+}
+
+/// Gives the slots of `grants` back, at every provider each holds one, and wakes the
+/// dispatchers at commit; one statement.
+pub async fn release(tx: &mut PgConnection, channel: &str, grants: &[uuid::Uuid]) -> Result<(), sqlx::Error> {
+    if grants.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "WITH own AS (DELETE FROM slots WHERE grant_id = ANY($1)), \
+         others AS (DELETE FROM other_provider_slots WHERE grant_id = ANY($1)) SELECT pg_notify($2, '')",
+    )
+    .bind(grants)
+    .bind(channel)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// Writes `grants`' slots (one statement, and one more when some call a second

@@ -69,26 +69,45 @@ impl StepOutput {
     }
 }
 
-/// Records a step's output announced by the executor. A repeated announcement
-/// changes nothing: a step's output within a generation is fixed.
-pub async fn record_output(tx: &mut PgConnection, e: &StepCheckpointed) -> Result<(), sqlx::Error> {
-    // Writers before outputs travelled name the generation only in the reference
-    // (`checkpoint:<task>:<generation>:<step>`).
-    let generation = e.generation.or_else(|| e.output_ref.split(':').nth(2).and_then(|g| g.parse().ok())).unwrap_or(0);
-    let output: Option<serde_json::Value> = e.output_json.as_deref().and_then(|text| serde_json::from_str(text).ok());
+/// Records the step outputs announced by the executor, with one statement. A
+/// repeated announcement changes nothing: a step's output within a generation is
+/// fixed.
+pub async fn record_outputs(tx: &mut PgConnection, heard: &[StepCheckpointed]) -> Result<(), sqlx::Error> {
+    if heard.is_empty() {
+        return Ok(());
+    }
+    let mut columns = (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+    for e in heard {
+        // Writers before outputs travelled name the generation only in the reference
+        // (`checkpoint:<task>:<generation>:<step>`).
+        let generation =
+            e.generation.or_else(|| e.output_ref.split(':').nth(2).and_then(|g| g.parse().ok())).unwrap_or(0);
+        let output: Option<serde_json::Value> =
+            e.output_json.as_deref().and_then(|text| serde_json::from_str(text).ok());
+        columns.0.push(e.task_id.as_uuid());
+        columns.1.push(generation);
+        columns.2.push(e.step.as_str());
+        columns.3.push(output);
+        columns.4.push(e.output_ref.as_str());
+        columns.5.push(e.sha256.as_str());
+        columns.6.push(e.checkpointed_at.to_datetime());
+        columns.7.push(e.provider.as_deref());
+        columns.8.push(e.cost_micros);
+    }
     sqlx::query(
         "INSERT INTO task_steps (task_id, generation, step, output, output_ref, sha256, checkpointed_at, provider, \
-         cost_micros) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+         cost_micros) SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[], $4::jsonb[], $5::text[], $6::text[], \
+         $7::timestamptz[], $8::text[], $9::bigint[]) ON CONFLICT DO NOTHING",
     )
-    .bind(e.task_id.as_uuid())
-    .bind(generation)
-    .bind(&e.step)
-    .bind(output)
-    .bind(&e.output_ref)
-    .bind(&e.sha256)
-    .bind(e.checkpointed_at.to_datetime())
-    .bind(&e.provider)
-    .bind(e.cost_micros)
+    .bind(columns.0)
+    .bind(columns.1)
+    .bind(columns.2)
+    .bind(columns.3)
+    .bind(columns.4)
+    .bind(columns.5)
+    .bind(columns.6)
+    .bind(columns.7)
+    .bind(columns.8)
     .execute(&mut *tx)
     .await?;
     Ok(())

@@ -79,13 +79,13 @@ impl Handler for AttemptProjection {
         self.batch.discard();
     }
 
-    async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+    async fn handle(&self, _tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         if let Some(task_id) = self.batch.lines.gather(record) {
             self.batch.marks.mark(task_id, None);
         }
         let attempts = &self.batch.attempts;
         match &record.envelope.event {
-            Event::StepCheckpointed(e) => crate::decisions::record_output(tx, e).await?,
+            Event::StepCheckpointed(e) => self.batch.outputs.push(e.clone()),
             Event::AttemptClaimed(e) => attempts.started(e.task_id, e.attempt, record.envelope.headers.produced_at),
             Event::AttemptSucceeded(e) => {
                 attempts.ended(e.task_id, e.attempt, Ended::at(e.finished_at, AttemptOutcome::Succeeded))
@@ -279,12 +279,15 @@ struct BatchWrites {
     attempts: Attempts,
     lines: crate::timeline::Lines,
     marks: crate::live::BatchMarks,
+    /// The step outputs heard.
+    outputs: fenceline_bus::gathered::All<fenceline_events::StepCheckpointed>,
 }
 
 impl BatchWrites {
     async fn flush(&self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
         self.views.flush(&mut *tx).await?;
         self.attempts.flush(&mut *tx).await?;
+        crate::decisions::record_outputs(&mut *tx, &self.outputs.take()).await?;
         self.lines.flush(&mut *tx).await?;
         self.marks.flush(&mut *tx).await
     }
@@ -292,6 +295,7 @@ impl BatchWrites {
     fn discard(&self) {
         self.views.discard();
         self.attempts.discard();
+        self.outputs.discard();
         self.lines.discard();
         self.marks.discard();
     }

@@ -10,6 +10,7 @@ use fenceline_domain::lifecycle::{Artifact, Effect, Input, Micros, Policy, Task}
 use fenceline_domain::vocabulary::TaskState;
 use fenceline_events::{ArtifactRef, AttemptGranted, CancelAttempt, Event, TaskStatus, Timestamp, topics};
 use sqlx::PgConnection;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use self::slots::{GrantWrite, SlotWrites};
@@ -76,15 +77,24 @@ pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskR
     Ok(row.map(TaskRow::from))
 }
 
-/// Loads and row-locks a task only if it is due and no other instance holds it.
-pub async fn lock_if_due(tx: &mut PgConnection, task_id: TaskId, now: Micros) -> Result<Option<TaskRow>, sqlx::Error> {
-    let row: Option<RawRow> =
-        sqlx::query_as(&format!("{SELECT} WHERE task_id = $1 AND due_at_us <= $2 FOR UPDATE SKIP LOCKED"))
-            .bind(task_id.as_uuid())
+/// Loads and row-locks, with one statement, those of `task_ids` that are due and
+/// that no other instance holds.
+pub async fn lock_if_due(
+    tx: &mut PgConnection,
+    task_ids: &[TaskId],
+    now: Micros,
+) -> Result<HashMap<TaskId, TaskRow>, sqlx::Error> {
+    if task_ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let ids: Vec<uuid::Uuid> = task_ids.iter().map(|id| id.as_uuid()).collect();
+    let rows: Vec<RawRow> =
+        sqlx::query_as(&format!("{SELECT} WHERE task_id = ANY($1) AND due_at_us <= $2 FOR UPDATE SKIP LOCKED"))
+            .bind(ids)
             .bind(now)
-            .fetch_optional(&mut *tx)
+            .fetch_all(&mut *tx)
             .await?;
-    Ok(row.map(TaskRow::from))
+    Ok(rows.into_iter().map(TaskRow::from).map(|row| (row.task_id, row)).collect())
 }
 
 /// The policy of a kind, from the catalogue and the scheduler's settings.

@@ -79,7 +79,12 @@ impl Handler for AttemptProjection {
         self.batch.discard();
     }
 
-    async fn handle(&self, _tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
+    async fn handle(
+        &self,
+        _tx: &mut PgConnection,
+        _outbox: &OutboxWriter,
+        record: &Inbound,
+    ) -> Result<(), HandleError> {
         if let Some(task_id) = self.batch.lines.gather(record) {
             self.batch.marks.mark(task_id, None);
         }

@@ -3,7 +3,8 @@
 //! every tenant's next due task before any tenant's second, the tenant granted
 //! least recently first, as far as provider slots, tenant slots, rate buckets and
 //! budgets allow. A round is one transaction (one commit for up to
-//! `grants_per_round` grants). It row-locks each task (`SKIP LOCKED`) and takes each
+//! `grants_per_round` grants). It row-locks each page of due heads with one
+//! statement (`SKIP LOCKED`) and takes each
 //! provider's advisory lock without waiting (a provider another instance's round
 //! holds is passed over), so several instances share the limits correctly and never
 //! wait on each other. What may be granted is decided by
@@ -82,6 +83,17 @@ impl Committed {
     }
 }
 
+/// Whether the round passes over `head` without trying it: its provider is full or
+/// out of tokens, or the round changed its task already.
+fn passed_over(
+    head: &Head,
+    excluded: &[String],
+    rate_blocked: &HashMap<String, Micros>,
+    committed: &Committed,
+) -> bool {
+    excluded.contains(&head.provider) || rate_blocked.contains_key(&head.provider) || committed.changed(head.task_id)
+}
+
 impl Dispatcher {
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) {
@@ -157,14 +169,23 @@ impl Dispatcher {
             let heads = store::heads(&mut tx, now, limit, &excluded).await?;
             let whole_page = heads.len() as i64 == limit;
             let excluded_before = excluded.len();
+            // The page's heads that may be tried, locked with one statement if still
+            // due and no other instance holds them; one passed over later in the page
+            // (its provider filled up) stays locked until the round commits.
+            let wanted: Vec<TaskId> = heads
+                .iter()
+                .filter(|h| !passed_over(h, &excluded, rate_blocked, &committed))
+                .map(|h| h.task_id)
+                .collect();
+            let mut locked = tasks::lock_if_due(&mut tx, &wanted, now).await?;
             for head in heads {
-                if excluded.contains(&head.provider)
-                    || rate_blocked.contains_key(&head.provider)
-                    || committed.changed(head.task_id)
-                {
+                if passed_over(&head, &excluded, rate_blocked, &committed) {
                     continue;
                 }
-                match self.try_grant(&mut tx, &mut round, (&ends, &statuses, &slots), &head, &mut committed).await? {
+                let Some(row) = locked.remove(&head.task_id) else {
+                    continue;
+                };
+                match self.try_grant(&mut tx, &mut round, (&ends, &statuses, &slots), row, &mut committed).await? {
                     Tried::Granted(granted) => committed.grants.push(granted),
                     Tried::HeldBack(HeldBack::ProviderFull(full)) => excluded.push(full),
                     Tried::HeldBack(HeldBack::RateLimited(limited, until)) => {
@@ -211,21 +232,18 @@ impl Dispatcher {
         Ok(round.granted())
     }
 
-    /// Tries to grant one head within the round's transaction: locks the task if it
-    /// is still due, ends it if its deadline passed, asks admission, reads what
-    /// admission needs, and applies the lifecycle's grant or hold.
+    /// Tries to grant one head, locked and due, within the round's transaction: ends
+    /// it if its deadline passed, asks admission, reads what admission needs, and
+    /// applies the lifecycle's grant or hold.
     async fn try_grant(
         &self,
         tx: &mut PgConnection,
         round: &mut Round,
         (ends, statuses, slots): (&tasks::Ends, &tasks::StatusBatch, &tasks::slots::SlotWrites),
-        head: &Head,
+        row: TaskRow,
         committed: &mut Committed,
     ) -> Result<Tried, fenceline_bus::Error> {
         let now = round.now();
-        let Some(row) = tasks::lock_if_due(tx, head.task_id, now).await? else {
-            return Ok(Tried::Skipped);
-        };
         let late = row.lifecycle.due_at.map(|due| (now - due).max(0) as f64 / 1e6);
         // What the dispatcher does to a task joins the task's trace, linked to the round.
         let span = tracing::info_span!("grant", task_id = %row.task_id, trace_id = tracing::field::Empty);

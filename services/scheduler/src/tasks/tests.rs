@@ -166,14 +166,18 @@ async fn only_a_due_task_nobody_holds_is_locked_for_dispatch() {
     let db = test_schema::fresh().await;
     let due = ACCEPTED_AT + 5_000_000;
     let task_id = insert_task(&db.pool, "image.caption", &Task::accepted(ACCEPTED_AT, Some(due), None)).await;
+    let later = insert_task(&db.pool, "image.caption", &Task::accepted(ACCEPTED_AT, Some(due + 1), None)).await;
+    let both = [task_id, later];
     let mut tx = db.pool.begin().await.expect("begin");
-    assert!(lock_if_due(&mut tx, task_id, due - 1).await.expect("lock").is_none(), "not due yet");
-    assert!(lock_if_due(&mut tx, task_id, due).await.expect("lock").is_some(), "due at its timer");
+    assert!(lock_if_due(&mut tx, &both, due - 1).await.expect("lock").is_empty(), "neither due yet");
+    let locked = lock_if_due(&mut tx, &both, due).await.expect("lock");
+    assert_eq!(locked.keys().copied().collect::<Vec<_>>(), vec![task_id], "only the one due at its timer");
+    assert_eq!(locked[&task_id].task_id, task_id);
     // Another instance looking at the same moment passes over it rather than waiting.
     let mut other = db.pool.begin().await.expect("begin");
-    assert!(lock_if_due(&mut other, task_id, due).await.expect("lock").is_none(), "held by the first");
+    assert!(lock_if_due(&mut other, &both, due).await.expect("lock").is_empty(), "held by the first");
     tx.rollback().await.expect("release");
-    assert!(lock_if_due(&mut other, task_id, due).await.expect("lock").is_some(), "free again");
+    assert_eq!(lock_if_due(&mut other, &both, due + 1).await.expect("lock").len(), 2, "both free and due");
     other.commit().await.expect("commit");
 }
 

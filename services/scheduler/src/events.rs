@@ -364,7 +364,24 @@ impl Handler for LifecycleEvents {
         if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
             health::observe(tx, &self.catalog, grant_id, health, now).await?;
         }
-        self.held.changed(tasks::apply(tx, self.ctx(outbox), &row, input, now).await?);
+        let applied = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
+        // An input that moved nothing (a stale or repeated report) stores nothing.
+        if applied.lifecycle != row.lifecycle || applied.version != row.version {
+            self.held.changed(applied);
+        }
         Ok(())
+    }
+
+    /// An attempt's end sent again: the lifecycle takes an end only from its task's
+    /// live grant, and the first copy ended that grant, so a copy moves nothing,
+    /// stores nothing and publishes nothing (its health and its slot are read only
+    /// for the live grant too). Every other event is remembered: a report of
+    /// progress could move a live attempt's phase back, a checkpoint's cost would be
+    /// counted twice, and a task purged after its end must not come back.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        matches!(
+            event,
+            Event::AttemptSucceeded(_) | Event::AttemptFailed(_) | Event::AttemptReleased(_) | Event::AttemptLost(_)
+        )
     }
 }

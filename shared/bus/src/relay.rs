@@ -48,10 +48,10 @@ const PURGE_KEPT: &str = "DELETE FROM outbox WHERE published_at < now() - make_i
 pub const HOLD_AT_MOST: Duration = Duration::from_secs(1);
 
 /// The shards a relay holds across rounds while they keep it busy, and since when.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Held {
     shards: Vec<i32>,
-    since: Option<tokio::time::Instant>,
+    since: tokio::time::Instant,
 }
 
 /// Counters of one relay, for tests, benchmarks and metrics.
@@ -193,7 +193,7 @@ impl Relay {
     /// Publishes until `shutdown`, then a last round, then flushes the producer.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut lock_conn: Option<PgConnection> = None;
-        let mut held = Held::default();
+        let mut held: Option<Held> = None;
         let mut backoff = Duration::from_millis(100);
         // Instances start at different shards so that they rarely contend.
         let mut next_start = usize::from(rand_start(self.config.shards));
@@ -228,7 +228,7 @@ impl Relay {
                     warn!(relay = %self.name, error = %e, "outbox relay round failed; unconfirmed rows will be sent again");
                     // The lock connection may be broken; its locks die with it.
                     lock_conn = None;
-                    held = Held::default();
+                    held = None;
                     sleep_or_cancel(&shutdown, backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
@@ -261,36 +261,38 @@ impl Relay {
     /// the batch's read and its delete. A round that finds nothing (or holds past
     /// [`HOLD_AT_MOST`], or fails) lets the shards go in one statement, so a relay
     /// paused between rounds while idle (a long GC, a stopped VM) blocks no shard.
-    async fn round(&self, lock_conn: &mut PgConnection, start: usize, held: &mut Held) -> Result<usize, Error> {
-        if held.shards.is_empty() {
-            let shards = i32::from(self.config.shards.max(1));
-            let waiting: Vec<i32> = sqlx::query_scalar(
-                "SELECT s FROM generate_series(0, $1 - 1) s WHERE EXISTS \
-                 (SELECT 1 FROM outbox WHERE shard = s AND published_at IS NULL AND refused_at IS NULL)",
-            )
-            .bind(shards)
-            .fetch_all(&self.pool)
-            .await?;
-            if waiting.is_empty() {
-                return Ok(0);
+    async fn round(&self, lock_conn: &mut PgConnection, start: usize, held: &mut Option<Held>) -> Result<usize, Error> {
+        let taken = match held.take() {
+            Some(taken) => taken,
+            None => {
+                let shards = i32::from(self.config.shards.max(1));
+                let waiting: Vec<i32> = sqlx::query_scalar(
+                    "SELECT s FROM generate_series(0, $1 - 1) s WHERE EXISTS \
+                     (SELECT 1 FROM outbox WHERE shard = s AND published_at IS NULL AND refused_at IS NULL)",
+                )
+                .bind(shards)
+                .fetch_all(&self.pool)
+                .await?;
+                if waiting.is_empty() {
+                    return Ok(0);
+                }
+                // Every shard, not only those waiting: rows written to any of them
+                // while this relay holds them are published without another look.
+                let start = start as i32 % shards;
+                let every: Vec<i32> = (0..shards).map(|n| (start + n) % shards).collect();
+                let locked: Vec<i32> =
+                    sqlx::query_scalar(SHARD_TRY_LOCK_ALL).bind(&every).fetch_all(&mut *lock_conn).await?;
+                if locked.is_empty() {
+                    return Ok(0);
+                }
+                Held { shards: locked, since: tokio::time::Instant::now() }
             }
-            // Every shard, not only those waiting: rows written to any of them
-            // while this relay holds them are published without another look.
-            let start = start as i32 % shards;
-            let every: Vec<i32> = (0..shards).map(|n| (start + n) % shards).collect();
-            let locked: Vec<i32> =
-                sqlx::query_scalar(SHARD_TRY_LOCK_ALL).bind(&every).fetch_all(&mut *lock_conn).await?;
-            if locked.is_empty() {
-                return Ok(0);
-            }
-            *held = Held { shards: locked, since: Some(tokio::time::Instant::now()) };
-        }
-        let result = self.drain_shards(&held.shards).await;
-        let busy = matches!(result, Ok(published) if published > 0);
-        if !busy || held.since.is_some_and(|since| since.elapsed() >= HOLD_AT_MOST) {
-            let shards = std::mem::take(&mut held.shards);
-            held.since = None;
-            sqlx::query(SHARD_UNLOCK_ALL).bind(&shards).execute(&mut *lock_conn).await?;
+        };
+        let result = self.drain_shards(&taken.shards).await;
+        if matches!(result, Ok(published) if published > 0) && taken.since.elapsed() < HOLD_AT_MOST {
+            *held = Some(taken);
+        } else {
+            sqlx::query(SHARD_UNLOCK_ALL).bind(&taken.shards).execute(&mut *lock_conn).await?;
         }
         result
     }

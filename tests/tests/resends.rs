@@ -198,14 +198,17 @@ async fn every_event_sent_again_moves_no_projection_publishes_nothing_and_charge
     );
     // The scheduler hears the five tasks and the approval from the test, every
     // report of the executor and every decision of the reconciler, and remembers
-    // all of them but the attempts' ends.
+    // all of them but the tasks' acceptances, the attempts' claims and ends, and
+    // the calls' intents and acceptances.
     let heard = 6 + published(&system, "executor", &[]).await + published(&system, "reconciler", &[]).await;
     let attempts_ended = published(&system, "executor", &ends).await;
     assert!(attempts_ended >= 5, "every task's attempt ended ({attempts_ended})");
+    let harmless = published(&system, "executor", &["AttemptClaimed", "CallIntentRecorded", "ProviderAccepted"]).await;
+    assert!(harmless >= 5 + 5, "every attempt was claimed and called ({harmless})");
     assert_eq!(
         remembered(&system, "scheduler", "scheduler.lifecycle").await,
-        heard - attempts_ended,
-        "the lifecycle remembers every event but the attempts' ends"
+        heard - 5 - attempts_ended - harmless,
+        "the lifecycle remembers every event but the acceptances, the claims, the calls and the attempts' ends"
     );
 
     // Every relay sends everything again, as after a crash before marking; then,

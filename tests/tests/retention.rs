@@ -101,13 +101,14 @@ async fn service_database(
     fenceline_store::connect(&postgres(url, name), name, &[&fenceline_bus::MIGRATOR, migrator]).await.expect("schema")
 }
 
-/// A scheduler task in `state`, last changed `age_days` ago, with a slot at each of
-/// two providers and an early request.
+/// A scheduler task in `state`, accepted and last changed `age_days` ago, with a
+/// slot at each of two providers and an early request.
 async fn scheduler_task(pool: &sqlx::PgPool, state: &str, age_days: i32) -> uuid::Uuid {
     let id = uuid::Uuid::now_v7();
     sqlx::query(
-        "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, updated_at) \
-         VALUES ($1, 'acme', 'image.generate', '{}', 1, '{}', $2, now() - make_interval(days => $3))",
+        "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, updated_at, accepted_at) \
+         VALUES ($1, 'acme', 'image.generate', '{}', 1, '{}', $2, now() - make_interval(days => $3), \
+         now() - make_interval(days => $3))",
     )
     .bind(id)
     .bind(state)
@@ -157,10 +158,13 @@ async fn count_rows(pool: &sqlx::PgPool, tables: &[&str], id: uuid::Uuid) -> i64
 
 const SCHEDULER_TABLES: [&str; 4] = ["tasks", "slots", "other_provider_slots", "early_requests"];
 
-/// Purges the scheduler's finished tasks past 30 days, `batch` per transaction.
+/// Purges the scheduler's finished tasks past 30 days (accepted before the
+/// seven-day dedupe window), `batch` per transaction.
 async fn scheduler_purge(pool: &sqlx::PgPool, prefix: &str, batch: i64) -> u64 {
     let outbox = OutboxWriter::new(fenceline_scheduler::NAME, prefix, outbox_config().shards);
-    fenceline_scheduler::retention::purge_finished_tasks(pool, &outbox, THIRTY_DAYS, batch).await.expect("purge")
+    fenceline_scheduler::retention::purge_finished_tasks(pool, &outbox, THIRTY_DAYS, SEVEN_DAYS, batch)
+        .await
+        .expect("purge")
 }
 
 /// The tombstones waiting in `pool`'s outbox for the status key of `id`.

@@ -236,10 +236,16 @@ fn early_inputs(task_id: TaskId, mut kept: Vec<(i64, Vec<u8>)>) -> Vec<Input> {
     inputs
 }
 
-/// How far the live attempt got; `None` (nothing to apply) for any other attempt.
-fn progress(row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Input> {
+/// How far the live attempt got; `None` (nothing to apply) for any other attempt,
+/// and for a report behind what the task already shows (one heard again).
+fn progress(catalog: &Catalog, row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Input> {
     let current = i64::from(row.lifecycle.attempt) == i64::from(attempt);
     let grant_id = row.lifecycle.live_grant.filter(|_| current)?;
+    let steps = catalog.kind(&row.kind).map(|kind| &kind.steps);
+    let order = |name: &str| steps.and_then(|steps| steps.iter().position(|s| s.name == name));
+    if row.lifecycle.report_is_behind(order, step, phase) {
+        return None;
+    }
     Some(Input::Progress { grant_id, step: step.to_owned(), phase })
 }
 
@@ -298,20 +304,24 @@ impl Handler for LifecycleEvents {
                 }
             }
             Event::AttemptClaimed(e) => Input::Claimed { grant_id: e.grant_id },
-            Event::CallIntentRecorded(e) => match progress(&row, e.attempt, &e.step, Phase::CallIntent) {
-                Some(input) => input,
-                None => return Ok(()),
-            },
-            Event::ProviderAccepted(e) => match progress(&row, e.attempt, &e.step, Phase::ProviderAccepted) {
-                Some(input) => input,
-                None => return Ok(()),
-            },
+            Event::CallIntentRecorded(e) => {
+                match progress(&self.catalog, &row, e.attempt, &e.step, Phase::CallIntent) {
+                    Some(input) => input,
+                    None => return Ok(()),
+                }
+            }
+            Event::ProviderAccepted(e) => {
+                match progress(&self.catalog, &row, e.attempt, &e.step, Phase::ProviderAccepted) {
+                    Some(input) => input,
+                    None => return Ok(()),
+                }
+            }
             Event::StepCheckpointed(e) => {
                 // A call that did its work cost money whatever became of its attempt.
                 if let Some(cost) = e.cost_micros {
                     crate::spend::add(tx, &row.tenant, e.checkpointed_at, Amount::from_micros(cost)).await?;
                 }
-                match progress(&row, e.attempt, &e.step, Phase::ResultRecorded) {
+                match progress(&self.catalog, &row, e.attempt, &e.step, Phase::ResultRecorded) {
                     Some(input) => input,
                     None => return Ok(()),
                 }
@@ -372,16 +382,34 @@ impl Handler for LifecycleEvents {
         Ok(())
     }
 
-    /// An attempt's end sent again: the lifecycle takes an end only from its task's
-    /// live grant, and the first copy ended that grant, so a copy moves nothing,
-    /// stores nothing and publishes nothing (its health and its slot are read only
-    /// for the live grant too). Every other event is remembered: a report of
-    /// progress could move a live attempt's phase back, a checkpoint's cost would be
-    /// counted twice, and a task purged after its end must not come back.
+    /// Events whose copy moves nothing, stores nothing and publishes nothing:
+    /// - an attempt's end: the lifecycle takes an end only from its task's live
+    ///   grant, and the first copy ended that grant (its health and its slot are read
+    ///   only for the live grant too);
+    /// - a claim or a call's intent or acceptance: the lifecycle takes a claim only
+    ///   before its attempt reported a step, and a report only if it is not behind
+    ///   what the task shows ([`progress`]);
+    /// - a task's acceptance: its row is kept at least the dedupe window after it was
+    ///   accepted ([`crate::retention::purge_finished_tasks`]), so a copy sent within
+    ///   the window finds it and inserts nothing, as the remembered id would have.
+    ///
+    /// Remembered: a checkpoint (its cost would be counted twice), a wait for a
+    /// signal (a copy would set a wait that ended back), a person's request and the
+    /// reconciler's decisions.
     fn applies_twice_harmlessly(&self, event: &Event) -> bool {
         matches!(
             event,
-            Event::AttemptSucceeded(_) | Event::AttemptFailed(_) | Event::AttemptReleased(_) | Event::AttemptLost(_)
+            Event::AttemptSucceeded(_)
+                | Event::AttemptFailed(_)
+                | Event::AttemptReleased(_)
+                | Event::AttemptLost(_)
+                | Event::AttemptClaimed(_)
+                | Event::CallIntentRecorded(_)
+                | Event::ProviderAccepted(_)
+                | Event::TaskAccepted(_)
         )
     }
 }
+
+#[cfg(test)]
+mod tests;

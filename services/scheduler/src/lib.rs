@@ -87,6 +87,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         )));
     }
     let task_retention = config.scheduler.task_retention();
+    let accepted_remembered = config.service.consumer.dedup_window();
     let settings = Arc::new(config.scheduler);
     let mut app = ServiceApp::build(NAME, &[Group::Scheduler], &config.service, &MIGRATOR, |_| {
         |_: &mut actix_web::web::ServiceConfig| {}
@@ -176,7 +177,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     app.base.spawn_every(Duration::from_secs(300), move || {
         let (pool, outbox) = (pool.clone(), outbox.clone());
         async move {
-            match retention::purge_finished_tasks(&pool, &outbox, task_retention, 500).await {
+            match retention::purge_finished_tasks(&pool, &outbox, task_retention, accepted_remembered, 500).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(purged = n, "finished tasks past their retention purged"),
                 Err(e) => tracing::warn!(error = %e, "purging finished tasks failed"),

@@ -17,13 +17,21 @@ use sqlx::PgPool;
 /// (docs/wire.md, "Tombstones on fenceline.status"). Returns how many tasks went.
 /// A task waiting for a person (`outcome_unknown`, `needs_human`) or anything open
 /// is never purged.
+///
+/// A task's acceptance is not remembered by its event id: its row is what makes a
+/// copy insert nothing (`events::LifecycleEvents::applies_twice_harmlessly`). So a
+/// task goes only once it was accepted longer ago than `accepted_remembered` (the
+/// bus's dedupe window), however short the retention: a copy sent within the
+/// window always finds its row.
 pub async fn purge_finished_tasks(
     pool: &PgPool,
     outbox: &OutboxWriter,
     retention: Duration,
+    accepted_remembered: Duration,
     batch: i64,
 ) -> Result<u64, fenceline_bus::Error> {
     let retention_us = i64::try_from(retention.as_micros()).unwrap_or(i64::MAX);
+    let remembered_us = i64::try_from(accepted_remembered.as_micros()).unwrap_or(i64::MAX);
     let mut purged = 0;
     loop {
         let mut tx = pool.begin().await?;
@@ -31,10 +39,12 @@ pub async fn purge_finished_tasks(
         let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
             "SELECT task_id FROM tasks \
              WHERE finished_at < now() - make_interval(secs => $1::double precision / 1e6) \
+             AND accepted_at < now() - make_interval(secs => $3::double precision / 1e6) \
              ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(retention_us)
         .bind(batch)
+        .bind(remembered_us)
         .fetch_all(&mut *tx)
         .await?;
         for table in ["slots", "other_provider_slots", "early_requests", "tasks"] {

@@ -292,6 +292,23 @@ impl Task {
         self.live_grant == Some(grant_id)
     }
 
+    /// Whether a report that the live attempt reached `phase` of `step` is behind
+    /// what the task already shows of it, so that applying it would move the shown
+    /// step or phase back (a report heard again, after later ones). `order` places
+    /// a step among its kind's steps (`None`: not one of them); a report whose place
+    /// cannot be told beside the shown step's is taken for behind.
+    pub fn report_is_behind(&self, order: impl Fn(&str) -> Option<usize>, step: &str, phase: Phase) -> bool {
+        let Some(shown) = self.step.as_deref() else {
+            return false;
+        };
+        let rank = |phase: Option<Phase>| phase.and_then(|p| Phase::ALL.iter().position(|q| *q == p));
+        let places = if shown == step { Some((0, 0)) } else { order(shown).zip(order(step)) };
+        match places {
+            Some((shown_at, step_at)) => (step_at, rank(Some(phase))) < (shown_at, rank(self.phase)),
+            None => true,
+        }
+    }
+
     /// Whether the task waits for a person's decision (which names `case_id`).
     pub fn awaits_a_person(&self) -> bool {
         matches!(self.state, TaskState::OutcomeUnknown | TaskState::NeedsHuman)
@@ -337,7 +354,9 @@ impl Task {
                     });
                 }
             }
-            Input::Claimed { grant_id } if self.is_live(grant_id) => {
+            // A claim comes before any step of its attempt: one heard again after a
+            // step was reported would show the attempt further back than it is.
+            Input::Claimed { grant_id } if self.is_live(grant_id) && self.step.is_none() => {
                 self.state = TaskState::Running;
                 self.reason = self.cancel_reason();
                 self.phase = Some(Phase::Claimed);

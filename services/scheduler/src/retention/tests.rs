@@ -11,22 +11,32 @@ use super::*;
 use crate::test_schema;
 
 const RETENTION: Duration = Duration::from_secs(30 * 86_400);
+/// The bus's dedupe window, as configured by default.
+const WINDOW: Duration = Duration::from_secs(7 * 86_400);
 
 fn outbox() -> OutboxWriter {
     OutboxWriter::new(crate::NAME, "test.", 1)
 }
 
-/// A task in `state` whose last change was `age_days` ago, holding a slot at two
-/// providers and an early request.
+/// A task in `state` accepted and last changed `age_days` ago, holding a slot at
+/// two providers and an early request.
 async fn task(pool: &PgPool, state: &str, age_days: i32) -> uuid::Uuid {
+    accepted_earlier(pool, state, age_days, age_days).await
+}
+
+/// A task in `state` accepted `accepted_days` ago and last changed `age_days` ago,
+/// holding a slot at two providers and an early request.
+async fn accepted_earlier(pool: &PgPool, state: &str, age_days: i32, accepted_days: i32) -> uuid::Uuid {
     let task_id = uuid::Uuid::now_v7();
     sqlx::query(
-        "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, updated_at) \
-         VALUES ($1, 'acme', 'image.generate', '{}', 1, '{}', $2, now() - make_interval(days => $3))",
+        "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, updated_at, accepted_at) \
+         VALUES ($1, 'acme', 'image.generate', '{}', 1, '{}', $2, now() - make_interval(days => $3), \
+         now() - make_interval(days => $4))",
     )
     .bind(task_id)
     .bind(state)
     .bind(age_days)
+    .bind(accepted_days)
     .execute(pool)
     .await
     .expect("insert a task");
@@ -98,7 +108,7 @@ async fn only_finished_tasks_past_the_retention_go_with_their_rows_and_a_tombsto
     let (gone, kept) = (sorted(gone), sorted(kept));
 
     // Two per transaction: the purge goes on until a batch comes back short.
-    let purged = purge_finished_tasks(pool, &outbox(), RETENTION, 2).await.expect("purge");
+    let purged = purge_finished_tasks(pool, &outbox(), RETENTION, WINDOW, 2).await.expect("purge");
     assert_eq!(purged, 3);
     for table in ["tasks", "slots", "other_provider_slots", "early_requests"] {
         assert_eq!(task_ids_in(pool, table).await, kept, "{table} keeps the rows of the tasks kept");
@@ -107,7 +117,7 @@ async fn only_finished_tasks_past_the_retention_go_with_their_rows_and_a_tombsto
     let expected: Vec<(String, String)> = gone.iter().map(|id| (status.clone(), id.to_string())).collect();
     assert_eq!(tombstones(pool).await, expected, "one tombstone per purged task, keyed by its id");
 
-    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, 2).await.expect("purge again"), 0);
+    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, WINDOW, 2).await.expect("purge again"), 0);
     assert_eq!(tombstones(pool).await.len(), 3, "nothing purged, nothing tombstoned");
 }
 
@@ -123,11 +133,26 @@ async fn a_task_another_transaction_holds_is_left_for_the_next_round() {
         .await
         .expect("hold the task");
 
-    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, 10).await.expect("purge"), 1);
+    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, WINDOW, 10).await.expect("purge"), 1);
     assert_eq!(task_ids_in(pool, "tasks").await, vec![held]);
     assert!(!task_ids_in(pool, "slots").await.contains(&free));
 
     holder.rollback().await.expect("release the task");
-    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, 10).await.expect("purge"), 1);
+    assert_eq!(purge_finished_tasks(pool, &outbox(), RETENTION, WINDOW, 10).await.expect("purge"), 1);
     assert!(task_ids_in(pool, "tasks").await.is_empty());
+}
+
+/// A retention shorter than the dedupe window: a task finished past the retention
+/// stays while its acceptance is within the window, where a copy of its
+/// `TaskAccepted`, not remembered by its id, must find its row.
+#[tokio::test]
+async fn a_task_stays_while_its_acceptance_is_within_the_dedupe_window() {
+    let db = test_schema::fresh().await;
+    let pool = &db.pool;
+    let one_day = Duration::from_secs(86_400);
+    let recent = accepted_earlier(pool, "succeeded", 2, 3).await;
+    let old = accepted_earlier(pool, "succeeded", 2, 10).await;
+
+    assert_eq!(purge_finished_tasks(pool, &outbox(), one_day, WINDOW, 10).await.expect("purge"), 1);
+    assert_eq!(task_ids_in(pool, "tasks").await, vec![recent], "{old} went, accepted before the window");
 }

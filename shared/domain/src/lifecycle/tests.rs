@@ -56,6 +56,37 @@ fn a_task_ends_once_in_the_state_that_finished_it() {
     assert_eq!(cancelled.ended_in(&again), None, "a finished task does not end again");
 }
 
+/// A report heard again after later ones, as a relay sends after a crash, leaves
+/// what the task shows where the later ones put it.
+#[test]
+fn a_report_heard_again_never_moves_the_shown_step_back() {
+    let steps = ["classify", "draft", "send"];
+    let order = |name: &str| steps.iter().position(|s| *s == name);
+    let (task, _) = run(
+        &Task::accepted(0, None, None),
+        vec![
+            Input::Grant { grant_id: grant(1) },
+            Input::Claimed { grant_id: grant(1) },
+            Input::Progress { grant_id: grant(1), step: "draft".into(), phase: Phase::ProviderAccepted },
+        ],
+        10,
+    );
+    assert!(task.report_is_behind(order, "classify", Phase::ResultRecorded), "an earlier step");
+    assert!(task.report_is_behind(order, "draft", Phase::CallIntent), "an earlier phase of the shown step");
+    assert!(!task.report_is_behind(order, "draft", Phase::ProviderAccepted), "the shown phase itself moves nothing");
+    assert!(!task.report_is_behind(order, "draft", Phase::ResultRecorded), "a later phase");
+    assert!(!task.report_is_behind(order, "send", Phase::CallIntent), "a later step");
+    assert!(task.report_is_behind(|_| None, "send", Phase::CallIntent), "a step the kind does not name");
+    let claimed = task.apply(Input::Claimed { grant_id: grant(1) }, 11, &POLICY).task;
+    assert_eq!(claimed, task, "the claim heard again moves nothing once a step was reported");
+
+    let fresh = run(&Task::accepted(0, None, None), vec![Input::Grant { grant_id: grant(1) }], 10).0;
+    assert!(!fresh.report_is_behind(|_| None, "classify", Phase::CallIntent), "nothing shown yet");
+    let claimed = fresh.apply(Input::Claimed { grant_id: grant(1) }, 11, &POLICY).task;
+    assert_eq!(claimed.phase, Some(Phase::Claimed));
+    assert_eq!(claimed.apply(Input::Claimed { grant_id: grant(1) }, 12, &POLICY).task, claimed);
+}
+
 #[test]
 fn a_task_runs_through_one_attempt_to_success() {
     let task = Task::accepted(0, None, None);

@@ -8,6 +8,8 @@ pub mod retention;
 pub mod spend;
 pub mod tasks;
 #[cfg(test)]
+mod test_catalog;
+#[cfg(test)]
 mod test_schema;
 
 use std::sync::Arc;

@@ -6,22 +6,6 @@ use fenceline_domain::lifecycle::Policy;
 
 use super::*;
 
-/// A kind that calls `img`, then `llm`.
-fn catalog() -> Catalog {
-    Catalog::parse(
-        r#"{
-        "providers": {"img": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
-                              "rate_per_second": 5, "burst": 5},
-                      "llm": {"base_url": "http://y", "call_timeout_ms": 1000, "concurrency": 2,
-                              "rate_per_second": 5, "burst": 5}},
-        "kinds": {"image.caption": {"steps": [{"name": "draw", "provider": "img"},
-                                              {"name": "caption", "provider": "llm"}],
-                                    "attempt_budget_ms": 5000}}
-    }"#,
-    )
-    .expect("a valid catalogue")
-}
-
 /// A task of `image.caption` whose first attempt, granted as `grant`, reported
 /// `inputs` (after its grant).
 fn row(grant: GrantId, inputs: Vec<Input>) -> TaskRow {
@@ -51,7 +35,7 @@ fn row(grant: GrantId, inputs: Vec<Input>) -> TaskRow {
 
 #[test]
 fn a_report_of_the_live_attempt_applies_unless_it_is_behind_what_the_task_shows() {
-    let catalog = catalog();
+    let catalog = crate::test_catalog::draw_then_caption();
     let grant = GrantId::new_v7();
     let row = row(
         grant,

@@ -59,22 +59,6 @@ fn a_batch_keeps_the_newest_status_of_each_task_and_forgets_on_discard() {
 /// 2030-01-01T00:00:00Z, in microseconds.
 const ACCEPTED_AT: Micros = 1_893_456_000_000_000;
 
-/// `img` and `llm`, and a kind that calls both in one attempt.
-fn catalog() -> Catalog {
-    Catalog::parse(
-        r#"{
-        "providers": {"img": {"base_url": "http://x", "call_timeout_ms": 1000, "concurrency": 2,
-                              "rate_per_second": 5, "burst": 5},
-                      "llm": {"base_url": "http://y", "call_timeout_ms": 1000, "concurrency": 2,
-                              "rate_per_second": 5, "burst": 5}},
-        "kinds": {"image.caption": {"steps": [{"name": "draw", "provider": "img"},
-                                              {"name": "caption", "provider": "llm"}],
-                                    "attempt_budget_ms": 5000}}
-    }"#,
-    )
-    .expect("a valid catalogue")
-}
-
 fn settings() -> SchedulerSettings {
     SchedulerSettings {
         backoff_base_ms: 1_000,
@@ -194,7 +178,7 @@ struct Setting {
 impl Setting {
     fn new() -> Self {
         Setting {
-            catalog: catalog(),
+            catalog: crate::test_catalog::draw_then_caption(),
             settings: settings(),
             outbox: OutboxWriter::new(crate::NAME, "test.", 1),
             channel: channel(),

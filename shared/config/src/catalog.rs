@@ -413,6 +413,15 @@ impl Catalog {
             if spec.max_attempts == 0 {
                 return Err(Error(format!("kind `{kind}`: max_attempts must be at least 1")));
             }
+            // A step's name is what its checkpoint, its call's key and a resumed
+            // attempt's place are kept under.
+            let mut named = BTreeSet::new();
+            if let Some(twice) = spec.steps.iter().find(|step| !named.insert(step.name.as_str())) {
+                return Err(Error(format!(
+                    "kind `{kind}` names two steps `{}`; each step needs a name of its own",
+                    twice.name
+                )));
+            }
             for step in &spec.steps {
                 match (step.call(), &step.approval_signal) {
                     (Some((provider, _)), None) => {
@@ -670,6 +679,7 @@ mod tests {
             (GOOD.replace("\"409\": \"ambiguous\"", "\"503\": \"throttled\""), "unless it is listed in safe_5xx"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"tls\": {\"client_key_file\": \"/k.pem\"},"), "go together"),
             (GOOD.replace("\"burst\": 5,", "\"burst\": 5, \"tls\": {\"ca\": \"/ca.pem\"},"), "unknown field"),
+            (GOOD.replace("\"name\": \"approve\"", "\"name\": \"refund\""), "names two steps `refund`"),
         ];
         for (text, expected) in cases {
             let err = Catalog::parse(&text).expect_err(expected).to_string();

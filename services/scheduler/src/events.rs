@@ -241,8 +241,8 @@ fn early_inputs(task_id: TaskId, mut kept: Vec<(i64, Vec<u8>)>) -> Vec<Input> {
 fn progress(catalog: &Catalog, row: &TaskRow, attempt: i32, step: &str, phase: Phase) -> Option<Input> {
     let current = i64::from(row.lifecycle.attempt) == i64::from(attempt);
     let grant_id = row.lifecycle.live_grant.filter(|_| current)?;
-    let steps = catalog.kind(&row.kind).map(|kind| &kind.steps);
-    let order = |name: &str| steps.and_then(|steps| steps.iter().position(|s| s.name == name));
+    let kind = catalog.kind(&row.kind);
+    let order = |name: &str| kind.and_then(|kind| kind.step_index(name));
     if row.lifecycle.report_is_behind(order, step, phase) {
         return None;
     }

@@ -338,9 +338,14 @@ impl KindSpec {
         calls
     }
 
+    /// Where the step named `name` is among the kind's steps, if it is one of them.
+    pub fn step_index(&self, name: &str) -> Option<usize> {
+        self.steps.iter().position(|s| s.name == name)
+    }
+
     /// The step that follows `after` (the first step when `None`).
     pub fn step_index_after(&self, after: Option<&str>) -> usize {
-        after.and_then(|name| self.steps.iter().position(|s| s.name == name)).map_or(0, |i| i + 1)
+        after.and_then(|name| self.step_index(name)).map_or(0, |i| i + 1)
     }
 }
 

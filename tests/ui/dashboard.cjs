@@ -487,8 +487,16 @@ async function main() {
     assert.equal(loads, 1, 'the page never reloaded');
 
     // Tenant B sees none of A's tasks, on the page or on its event stream.
+    // Signed out while the page's reads are in flight: their answers, and the reads they
+    // would start, belong to the session that ended; they are dropped without an error.
     await openView(page, 'tasks');
-    await page.click('#sign-out');
+    await page.evaluate(() => {
+      document.getElementById('filters').requestSubmit();
+      document.getElementById('sign-out').click();
+    });
+    await page.waitForTimeout(600);
+    assert.deepEqual(problems, [], 'answers arriving after sign-out raise nothing');
+    assert.equal(await page.$$eval('#task-rows tr', (rows) => rows.length), 0, 'and show nothing once signed out');
     assert.equal(await page.evaluate(() => sessionStorage.getItem('fenceline.dashboard.token')), null);
     await page.fill('#token', TOKEN_B);
     await page.click('#sign-in-form button[type=submit]');

@@ -85,8 +85,13 @@
 
   class ApiError extends Error {}
 
+  /** One call to the API for the signed-in session. An answer that arrives after that
+   *  session ended (signed out, or another tenant signed in) is dropped: it rejects
+   *  with ApiError, like a refused token, and shows nothing. */
   async function api(method, path, body) {
-    const headers = { Authorization: 'Bearer ' + token, Accept: 'application/json' };
+    const session = token;
+    if (!session) throw new ApiError('signed out');
+    const headers = { Authorization: 'Bearer ' + session, Accept: 'application/json' };
     const init = { method, headers, cache: 'no-store', credentials: 'omit' };
     if (body !== undefined) {
       headers['Content-Type'] = 'application/json';
@@ -95,11 +100,20 @@
     const response = await fetch(path, init);
     let data = null;
     try { data = await response.json(); } catch (_) { data = null; }
+    if (token !== session) throw new ApiError('signed out');
     if (response.status === 401) {
       signOut('The token was refused: it is unknown or revoked.');
       throw new ApiError('unauthorized');
     }
     return { status: response.status, data };
+  }
+
+  /** Runs a read started by the page itself (a click, a timer): a dropped or refused
+   *  answer was already handled by api(); any other failure is shown, not thrown. */
+  function quietly(read) {
+    read.catch((e) => {
+      if (!(e instanceof ApiError) && token) $('tasks-error').textContent = 'Reading the API failed: ' + e.message;
+    });
   }
 
   const problemText = (status, data) =>
@@ -352,7 +366,7 @@
       renderSummary(filtered.data);
       renderCounts(whole && whole.status === 200 ? whole.data : filtered.data);
     }
-    loadSpend();
+    await loadSpend();
   }
 
   const count = (summary, states) => states.reduce((sum, state) => sum + Number(summary.states[state] || 0), 0);
@@ -395,7 +409,7 @@
       class: 'chip state-' + state + (active === state ? ' active' : ''),
       'data-state': state,
       'aria-pressed': active === state ? 'true' : 'false',
-      onclick: () => { $('filter-state').value = active === state ? '' : state; loadTasks(true); loadSummary(); },
+      onclick: () => { $('filter-state').value = active === state ? '' : state; quietly(loadTasks(true)); quietly(loadSummary()); },
     }, state.replace(/_/g, ' '), el('span', { class: 'n', text: String(summary.states[state] || 0) })));
     $('states').replaceChildren(...chips);
   }
@@ -534,7 +548,7 @@
     const button = el('button', { type: 'button', class: 'danger cancel', onclick: async () => {
       button.disabled = true;
       outcome.textContent = 'Sending…';
-      const result = await cancelTask(task);
+      const result = await answered(cancelTask(task));
       outcome.textContent = result.text;
       if (!result.ok) button.disabled = false;
       scheduleRefresh();
@@ -659,6 +673,14 @@
       ? { ok: true, text: (data.repeated ? 'Already asked: ' : 'Asked: ') + 'cancel. No further attempt starts.' }
       : { ok: false, status, title: problemTitle(status, data), text: 'Refused: ' + problemText(status, data) };
   }
+
+  /** A person's decision as sent: without an answer (the network broke, the session
+   *  ended) the page cannot know whether it was recorded, and says so. */
+  const answered = (call) => call.catch((e) => ({
+    ok: false,
+    title: 'No answer',
+    text: 'No answer (' + e.message + '): it may or may not have been recorded; the task shows what was.',
+  }));
 
   const rememberedName = () => localStorage.getItem(NAME_KEY) || '';
   const nameInput = () => el('input', { type: 'text', class: 'decided-by', maxlength: '200', autocomplete: 'name', value: rememberedName() });
@@ -814,12 +836,7 @@
       const line = el('li', { 'data-task-id': task.task_id, class: 'pending' }, taskLink(task.task_id), ' ' + task.kind + ': ',
         el('span', { class: 'result', text: 'sending…' }));
       results.append(line);
-      let result;
-      try {
-        result = await action.run(task, who, note.value.trim());
-      } catch (e) {
-        result = { ok: false, title: 'Not sent', text: e.message };
-      }
+      const result = await answered(action.run(task, who, note.value.trim()));
       line.className = result.ok ? 'ok' : 'refused';
       line.dataset.outcome = result.ok ? 'ok' : 'refused';
       line.querySelector('.result').textContent = result.ok ? 'ok — ' + result.text : result.title + ' — ' + result.text;
@@ -855,7 +872,7 @@
       localStorage.setItem(NAME_KEY, who);
       for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
-      const result = await resolveCase(task, who, note.value.trim(), body);
+      const result = await answered(resolveCase(task, who, note.value.trim(), body));
       outcome.textContent = result.text;
       if (!result.ok) {
         for (const b of buttons) b.disabled = false;
@@ -914,7 +931,7 @@
       localStorage.setItem(NAME_KEY, who);
       for (const b of buttons) b.disabled = true;
       outcome.textContent = 'Sending…';
-      const result = await decideApproval(task, who, note.value.trim(), decision);
+      const result = await answered(decideApproval(task, who, note.value.trim(), decision));
       outcome.textContent = result.text;
       if (!result.ok) for (const b of buttons) b.disabled = false;
       scheduleRefresh();
@@ -959,12 +976,12 @@
       signIn(candidate).catch((e) => { if (!(e instanceof ApiError) || e.message !== 'unauthorized') signOut('Signing in failed: ' + e.message); });
     });
     $('sign-out').addEventListener('click', () => signOut(''));
-    $('filters').addEventListener('submit', (event) => { event.preventDefault(); loadTasks(true); loadSummary(); });
+    $('filters').addEventListener('submit', (event) => { event.preventDefault(); quietly(loadTasks(true)); quietly(loadSummary()); });
     $('filter-clear').addEventListener('click', () => {
       for (const id of ['filter-state', 'filter-kind', 'filter-label', 'filter-since', 'filter-until']) $(id).value = '';
-      loadTasks(true); loadSummary();
+      quietly(loadTasks(true)); quietly(loadSummary());
     });
-    $('more').addEventListener('click', () => loadMore());
+    $('more').addEventListener('click', () => quietly(loadMore()));
     window.addEventListener('hashchange', route);
     setInterval(refreshAgo, 5000);
     const saved = sessionStorage.getItem(TOKEN_KEY);

@@ -684,9 +684,13 @@ async fn a_relay_lets_its_shards_go_once_it_has_nothing_to_publish() {
 /// A projection that gathers the newest version of each task over a batch and
 /// writes it once when the batch ends (as the scheduler's statuses and intake's
 /// change marks are written); it gathers an event before refusing it, so that
-/// only `discard` keeps a refused event's version out.
+/// only `discard` keeps a refused event's version out. It notes the keys each batch
+/// was prepared with.
 #[derive(Debug, Default)]
-struct Gathering(std::sync::Mutex<std::collections::BTreeMap<TaskId, i64>>);
+struct Gathering(std::sync::Mutex<std::collections::BTreeMap<TaskId, i64>>, Prepared);
+
+/// The keys of each batch a handler was prepared with, in order.
+type Prepared = std::sync::Arc<std::sync::Mutex<Vec<Vec<Vec<u8>>>>>;
 
 impl fenceline_bus::Handler for Gathering {
     async fn handle(
@@ -726,6 +730,11 @@ impl fenceline_bus::Handler for Gathering {
     fn discard(&self) {
         self.0.lock().expect("gathered").clear();
     }
+
+    async fn prepare(&self, _tx: &mut sqlx::PgConnection, keys: &[&[u8]]) -> Result<(), fenceline_bus::HandleError> {
+        self.1.lock().expect("prepared").push(keys.iter().map(|key| key.to_vec()).collect());
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -750,9 +759,10 @@ async fn what_a_handler_gathers_is_written_once_per_batch_and_a_refused_event_le
     let shutdown = CancellationToken::new();
     let writer = OutboxWriter::new("gathering", &prefix, outbox_config().shards);
     start_relay("gathering-relay", &consumer_db, &kafka(&prefix), &writer, &shutdown);
-    let consumer =
-        spawn_status_consumer(&consumer_db, &prefix, &group, "gathering", writer, Gathering::default(), &shutdown)
-            .expect("consumer");
+    let gathering = Gathering::default();
+    let prepared = gathering.1.clone();
+    let consumer = spawn_status_consumer(&consumer_db, &prefix, &group, "gathering", writer, gathering, &shutdown)
+        .expect("consumer");
 
     // (newest version written, writes) of `task` once its newest is `expected`.
     let flushed = |task: TaskId, expected: i64| {
@@ -777,6 +787,15 @@ async fn what_a_handler_gathers_is_written_once_per_batch_and_a_refused_event_le
         let (version, writes) = flushed(*task, 6).await;
         assert_eq!(version, Some(6), "the newest version of each task is written");
         assert!(writes < 6, "several versions of a task in one batch are written once, not {writes} times");
+    }
+    // Each batch was prepared once, before its events, with the keys of its records.
+    let prepared = prepared.lock().expect("prepared").clone();
+    let keys: usize = prepared.iter().map(Vec::len).sum();
+    assert!(prepared.len() < stream.len(), "prepared once a batch, not once a record: {} times", prepared.len());
+    assert_eq!(keys, stream.len(), "every record's key, once, in the batch that applied it");
+    for task in &tasks {
+        let key = task.to_string().into_bytes();
+        assert_eq!(prepared.iter().flatten().filter(|k| **k == key).count(), 6, "each of the task's six records");
     }
 
     // A refused event in the middle: its batch is applied again event by event, and

@@ -82,6 +82,22 @@ impl HeldRows {
         self.held().clear();
     }
 
+    /// Locks and holds, with one statement, the rows of the tasks a batch's records
+    /// are keyed by (a record's key is its task's id), those not held yet.
+    async fn lock_keyed(&self, tx: &mut PgConnection, keys: &[&[u8]]) -> Result<(), sqlx::Error> {
+        let mut task_ids: Vec<uuid::Uuid> = keys
+            .iter()
+            .filter_map(|key| std::str::from_utf8(key).ok()?.parse::<uuid::Uuid>().ok())
+            .filter(|id| !self.held().contains_key(&TaskId::from_uuid(*id)))
+            .collect();
+        task_ids.sort_unstable();
+        task_ids.dedup();
+        for row in tasks::lock_all(tx, &task_ids).await? {
+            self.held().entry(row.task_id).or_insert(Held { row, changed: false });
+        }
+        Ok(())
+    }
+
     /// The task's row, locked: held by this batch already, or locked and read now
     /// (and held from then on).
     async fn lock(&self, tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
@@ -259,6 +275,12 @@ impl Handler for LifecycleEvents {
         tasks::save_all(tx, self.ctx(outbox), &self.held.take_changed()).await?;
         self.slots.flush(tx, &self.channel).await?;
         Ok(self.statuses.flush(tx, outbox).await?)
+    }
+
+    /// The batch's task rows, locked in task order with one statement: each record
+    /// then finds its row held, as a task's second record in a batch always did.
+    async fn prepare(&self, tx: &mut PgConnection, keys: &[&[u8]]) -> Result<(), HandleError> {
+        Ok(self.held.lock_keyed(tx, keys).await?)
     }
 
     fn discard(&self) {

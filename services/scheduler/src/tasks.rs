@@ -77,6 +77,19 @@ pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskR
     Ok(row.map(TaskRow::from))
 }
 
+/// Loads and row-locks, with one statement, those of `task_ids` that exist, in task
+/// order (every batch locks its rows in one order, so two never wait on each other).
+pub async fn lock_all(tx: &mut PgConnection, task_ids: &[uuid::Uuid]) -> Result<Vec<TaskRow>, sqlx::Error> {
+    if task_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows: Vec<RawRow> = sqlx::query_as(&format!("{SELECT} WHERE task_id = ANY($1) ORDER BY task_id FOR UPDATE"))
+        .bind(task_ids)
+        .fetch_all(&mut *tx)
+        .await?;
+    Ok(rows.into_iter().map(TaskRow::from).collect())
+}
+
 /// Loads and row-locks, with one statement, those of `task_ids` that are due and
 /// that no other instance holds.
 pub async fn lock_if_due(

@@ -53,3 +53,53 @@ fn a_report_of_the_live_attempt_applies_unless_it_is_behind_what_the_task_shows(
     let unknown = TaskRow { kind: "gone.from.the.catalogue".into(), ..row.clone() };
     assert!(progress(&catalog, &unknown, 1, "draw", Phase::ResultRecorded).is_none(), "no order to tell by");
 }
+
+/// A batch's tasks, by its records' keys, are locked and held with one statement
+/// before its first event: a key that names no task, or no task at all, is passed
+/// over, and a task no record names stays free.
+#[tokio::test]
+async fn a_batch_locks_the_tasks_its_records_are_keyed_by_before_its_first_event() {
+    let db = crate::test_schema::fresh().await;
+    let insert = |task_id: TaskId| {
+        sqlx::query(
+            "INSERT INTO tasks (task_id, tenant, kind, input_json, priority, lifecycle, state, version, accepted_at) \
+             VALUES ($1, 'acme', 'image.caption', '{}', 1, $2, 'queued', 1, now())",
+        )
+        .bind(task_id.as_uuid())
+        .bind(sqlx::types::Json(Task::accepted(0, None, None)))
+        .execute(&db.pool)
+    };
+    let (named, other, free) = (TaskId::new_v7(), TaskId::new_v7(), TaskId::new_v7());
+    for task_id in [named, other, free] {
+        insert(task_id).await.expect("insert a task");
+    }
+    let held = HeldRows::default();
+    let keys = [named.to_string(), "not a task".to_owned(), other.to_string(), TaskId::new_v7().to_string()];
+    let mut keys: Vec<&[u8]> = keys.iter().map(|key| key.as_bytes()).collect();
+    keys.push(keys[0]);
+    let mut tx = db.pool.begin().await.expect("begin");
+    held.lock_keyed(&mut tx, &keys).await.expect("lock the batch's tasks");
+
+    let mut locked: Vec<TaskId> = held.held().keys().copied().collect();
+    locked.sort_by_key(|id| id.as_uuid());
+    let mut expected = vec![named, other];
+    expected.sort_by_key(|id| id.as_uuid());
+    assert_eq!(locked, expected, "the named tasks that exist are held");
+    assert!(held.take_changed().is_empty(), "holding a row changes nothing");
+    let try_lock = |task_id: TaskId| {
+        let pool = db.pool.clone();
+        async move {
+            let mut other_tx = pool.begin().await.expect("begin");
+            sqlx::query("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE NOWAIT")
+                .bind(task_id.as_uuid())
+                .execute(&mut *other_tx)
+                .await
+                .is_ok()
+        }
+    };
+    held.lock_keyed(&mut tx, &keys).await.expect("lock again");
+    assert!(!try_lock(named).await && !try_lock(other).await, "the batch's rows are locked until it ends");
+    assert!(try_lock(free).await, "a task no record names is not");
+    tx.rollback().await.expect("end the batch");
+    assert!(try_lock(named).await, "and free once it ends");
+}

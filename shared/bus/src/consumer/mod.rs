@@ -180,6 +180,17 @@ pub trait Handler: Send + Sync + 'static {
     /// savepoint it belonged to was rolled back. Called before each batch too.
     fn discard(&self) {}
 
+    /// Called once per batch applied without savepoints, in its transaction, before
+    /// its first record, with the record keys of the partitions it applies (some of
+    /// whose records may then turn out to be copies or not the handler's): a handler
+    /// that locks one row per key can lock the batch's rows with one statement instead
+    /// of one per record. What it takes belongs to the batch, like what it gathers
+    /// ([`Handler::discard`]). The default does nothing.
+    fn prepare(&self, tx: &mut PgConnection, keys: &[&[u8]]) -> impl Future<Output = Result<(), HandleError>> + Send {
+        let _ = (tx, keys);
+        async { Ok(()) }
+    }
+
     /// Whether applying `event` a second time (a relay re-sent it: the same event
     /// id at a later offset, possibly after newer events) leaves this handler's
     /// tables as applying it once did, and writes no outbox row. Such an event is

@@ -267,6 +267,13 @@ impl<H: Handler> Processor<H> {
                 ((topic, partition), StoredProgress { epoch, next_offset: next.unwrap_or(0) })
             })
             .collect();
+        if !savepoints {
+            let keys: Vec<&[u8]> = (by_partition.iter())
+                .filter(|(at, _)| owned.contains_key(*at) && stored.contains_key(*at))
+                .flat_map(|(_, messages)| messages.iter().filter_map(|m| m.key()))
+                .collect();
+            self.handler.prepare(&mut tx, &keys).await?;
+        }
         let mut advanced: Vec<(String, i32, i64, i64)> = Vec::new();
         for ((topic, partition), messages) in by_partition {
             let Some(&my_epoch) = owned.get(&(topic.clone(), partition)) else { continue };

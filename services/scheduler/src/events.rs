@@ -33,6 +33,19 @@ pub struct LifecycleEvents {
     pub held: HeldRows,
     /// The tasks this consumer's batch finished, timed when it commits.
     pub ends: tasks::Ends,
+    /// The live attempts' outcomes its batch heard, which move their providers'
+    /// adaptive limits when the batch ends, before the slots are given back.
+    pub outcomes: Outcomes,
+}
+
+/// A batch's attempt outcomes, in the order heard ([`health::observe_all`]).
+#[derive(Debug, Default)]
+pub struct Outcomes(std::sync::Mutex<Vec<health::Outcome>>);
+
+impl Outcomes {
+    fn heard(&self) -> std::sync::MutexGuard<'_, Vec<health::Outcome>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The task rows this consumer's batch has locked, as its events left them: a
@@ -273,6 +286,8 @@ impl Handler for LifecycleEvents {
 
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
         tasks::save_all(tx, self.ctx(outbox), &self.held.take_changed()).await?;
+        let outcomes = std::mem::take(&mut *self.outcomes.heard());
+        health::observe_all(tx, &self.catalog, &outcomes).await?;
         self.slots.flush(tx, &self.channel).await?;
         Ok(self.statuses.flush(tx, outbox).await?)
     }
@@ -285,6 +300,7 @@ impl Handler for LifecycleEvents {
 
     fn discard(&self) {
         self.held.clear();
+        self.outcomes.heard().clear();
         self.slots.discard();
         self.statuses.discard();
         self.ends.discard();
@@ -387,14 +403,14 @@ impl Handler for LifecycleEvents {
         };
         let now = clock::now().0;
         // The live attempt's outcome moves its provider's adaptive limit (its slot
-        // names the provider) before the slot is given back.
+        // names the provider) when the batch ends, before the slot is given back.
         let health = match event {
             Event::AttemptSucceeded(e) => Some((e.grant_id, Health::Healthy)),
             Event::AttemptFailed(e) => Some((e.grant_id, Health::of(e.error_class, &e.message))),
             _ => None,
         };
         if let Some((grant_id, health)) = health.filter(|(grant_id, _)| row.lifecycle.live_grant == Some(*grant_id)) {
-            health::observe(tx, &self.catalog, grant_id, health, now).await?;
+            self.outcomes.heard().push(health::Outcome { grant_id, health, at: now });
         }
         let applied = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         // An input that moved nothing (a stale or repeated report) stores nothing.

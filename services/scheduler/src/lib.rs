@@ -118,6 +118,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         slots: Default::default(),
         held: Default::default(),
         ends: Default::default(),
+        outcomes: Default::default(),
     };
     let pool = app.base.database.pool.clone();
     app.base.scrape.probe(move || {

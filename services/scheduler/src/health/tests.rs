@@ -115,3 +115,47 @@ async fn an_outcome_that_says_nothing_new_writes_nothing() {
     assert_eq!(read_now(&db.pool, "img", &policy).await, AdaptiveLimit::full(&policy));
     assert_eq!(read_now(&db.pool, "img", &policy).await.slots(&policy), 8);
 }
+
+/// A batch's outcomes are taken together, in their order, as one at a time would
+/// have moved the limit: its stale ones (no slot) and those of a provider that does
+/// not adapt say nothing.
+#[tokio::test]
+async fn a_batchs_outcomes_move_each_limit_in_their_order_as_one_at_a_time_would() {
+    let db = test_schema::fresh().await;
+    let catalog = catalog();
+    let policy = policy(&catalog);
+    let (first, second) = (slot_at(&db.pool, "img").await, slot_at(&db.pool, "img").await);
+    let at_fixed = slot_at(&db.pool, "fixed").await;
+    let gone = GrantId::from_uuid(uuid::Uuid::now_v7());
+    let t = 1_000_000_000;
+    let later = t + policy.decrease_interval;
+    let heard = [
+        Outcome { grant_id: first, health: Health::Trouble(Trouble::Throttled), at: t },
+        Outcome { grant_id: gone, health: Health::Trouble(Trouble::ServerErrors), at: t + 1 },
+        Outcome { grant_id: at_fixed, health: Health::Trouble(Trouble::ServerErrors), at: t + 2 },
+        Outcome { grant_id: second, health: Health::Trouble(Trouble::Timeouts), at: t + 500_000 },
+        Outcome { grant_id: second, health: Health::Trouble(Trouble::Timeouts), at: later },
+        Outcome { grant_id: first, health: Health::Healthy, at: later + 1 },
+    ];
+    let mut tx = db.pool.begin().await.expect("begin");
+    observe_all(&mut tx, &catalog, &heard).await.expect("observe the batch");
+    tx.commit().await.expect("commit");
+
+    // One at a time: halved, cooling, halved again, raised a little.
+    let expected = [(Trouble::Throttled, t), (Trouble::Timeouts, t + 500_000), (Trouble::Timeouts, later)]
+        .into_iter()
+        .fold(AdaptiveLimit::full(&policy), |limit, (trouble, at)| {
+            limit.observe(Health::Trouble(trouble), at, &policy).0
+        })
+        .observe(Health::Healthy, later + 1, &policy)
+        .0;
+    assert_eq!(stored(&db.pool).await, vec![("img".to_owned(), expected)], "only img's limit, moved in order");
+    assert!(expected.limit > 2.0 && expected.limit < 8.0, "halved twice, then raised: {expected:?}");
+
+    // A batch that moves nothing writes nothing, not even a row for a limit never moved.
+    let mut tx = db.pool.begin().await.expect("begin");
+    let healthy = Outcome { grant_id: at_fixed, health: Health::Healthy, at: later + 2 };
+    observe_all(&mut tx, &catalog, &[healthy, Outcome { grant_id: gone, ..healthy }]).await.expect("observe");
+    tx.commit().await.expect("commit");
+    assert_eq!(stored(&db.pool).await, vec![("img".to_owned(), expected)]);
+}

@@ -31,8 +31,9 @@ pub struct GrantWrite {
 /// provider's and tenant's slots a candidate needs before it grants, then books
 /// each grant in memory ([`fenceline_domain::admission::Round`]), so nothing in a
 /// round reads the slots its own grants will take. A release waits for the end of
-/// the batch: an attempt's outcome reads its slot first ([`crate::health::observe`]),
-/// and a later outcome of the same grant is no longer its task's live one.
+/// the batch: the batch's attempt outcomes read their slots first
+/// ([`crate::health::observe_all`]), and a later outcome of the same grant is no
+/// longer its task's live one.
 #[derive(Debug, Default)]
 pub struct SlotWrites {
     granted: All<GrantWrite>,

@@ -108,13 +108,13 @@
     return { status: response.status, data };
   }
 
-  /** Runs a read started by the page itself (a click, a timer): a dropped or refused
-   *  answer was already handled by api(); any other failure is shown, not thrown. */
-  function quietly(read) {
-    read.catch((e) => {
-      if (!(e instanceof ApiError) && token) $('tasks-error').textContent = 'Reading the API failed: ' + e.message;
-    });
+  /** Shows a read's failure: a dropped or refused answer was already handled by api(). */
+  function readFailed(e) {
+    if (!(e instanceof ApiError) && token) $('tasks-error').textContent = 'Reading the API failed: ' + e.message;
   }
+
+  /** Runs a read started by the page itself (a click): its failure is shown, not thrown. */
+  const quietly = (read) => { read.catch(readFailed); };
 
   const problemText = (status, data) =>
     (data && (data.detail || data.title)) ? String(data.detail || data.title) : 'answered ' + status;
@@ -323,7 +323,7 @@
         view === 'cases' || view === 'approvals' ? loadQueue(queues[view], false) : null,
         view === 'task' && selected ? loadDetail(selected) : null]);
     } catch (e) {
-      if (!(e instanceof ApiError)) $('tasks-error').textContent = 'Reading the API failed: ' + e.message;
+      readFailed(e);
     } finally {
       refreshing = false;
     }

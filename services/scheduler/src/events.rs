@@ -98,15 +98,19 @@ impl HeldRows {
     /// Locks and holds, with one statement, the rows of the tasks a batch's records
     /// are keyed by (a record's key is its task's id), those not held yet.
     async fn lock_keyed(&self, tx: &mut PgConnection, keys: &[&[u8]]) -> Result<(), sqlx::Error> {
-        let mut task_ids: Vec<uuid::Uuid> = keys
-            .iter()
-            .filter_map(|key| std::str::from_utf8(key).ok()?.parse::<uuid::Uuid>().ok())
-            .filter(|id| !self.held().contains_key(&TaskId::from_uuid(*id)))
-            .collect();
-        task_ids.sort_unstable();
+        let mut task_ids: Vec<TaskId> = {
+            let held = self.held();
+            (keys.iter())
+                .filter_map(|key| std::str::from_utf8(key).ok()?.parse::<TaskId>().ok())
+                .filter(|id| !held.contains_key(id))
+                .collect()
+        };
+        task_ids.sort_unstable_by_key(TaskId::as_uuid);
         task_ids.dedup();
-        for row in tasks::lock_all(tx, &task_ids).await? {
-            self.held().entry(row.task_id).or_insert(Held { row, changed: false });
+        let rows = tasks::lock_all(tx, &task_ids).await?;
+        let mut held = self.held();
+        for row in rows {
+            held.entry(row.task_id).or_insert(Held { row, changed: false });
         }
         Ok(())
     }

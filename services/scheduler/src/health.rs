@@ -22,18 +22,6 @@ pub struct Outcome {
     pub at: Micros,
 }
 
-/// Moves the limit of the provider whose slot `grant_id` holds by one attempt
-/// outcome, in the caller's transaction ([`observe_all`]).
-pub async fn observe(
-    tx: &mut PgConnection,
-    catalog: &Catalog,
-    grant_id: GrantId,
-    health: Health,
-    now: Micros,
-) -> Result<(), sqlx::Error> {
-    observe_all(tx, catalog, &[Outcome { grant_id, health, at: now }]).await
-}
-
 /// Moves each provider's limit by the attempt outcomes of a batch, in their order,
 /// in the caller's transaction: a grant's provider is its slot's (of an attempt that
 /// calls several providers, the first one's, the grant's provider). Call it before
@@ -53,26 +41,25 @@ pub async fn observe_all(tx: &mut PgConnection, catalog: &Catalog, outcomes: &[O
     .bind(&grants)
     .fetch_all(&mut *tx)
     .await?;
-    let mut provider_of = HashMap::new();
-    let mut stored = HashMap::new();
-    for (grant_id, provider, state) in found {
-        stored.insert(provider.clone(), state.map(|json| json.0));
-        provider_of.insert(grant_id, provider);
-    }
-    // Each adapting provider's outcomes, in the batch's order; providers in name order,
-    // so that two batches lock their limits in one order.
-    let mut by_provider: BTreeMap<&str, Vec<(Health, Micros)>> = BTreeMap::new();
+    let found: HashMap<uuid::Uuid, (String, Option<AdaptiveLimit>)> =
+        found.into_iter().map(|(grant_id, provider, state)| (grant_id, (provider, state.map(|json| json.0)))).collect();
+    // Each provider's limit as read and its outcomes, in the batch's order; providers
+    // in name order, so that two batches lock their limits in one order.
+    let mut by_provider: BTreeMap<&str, Heard> = BTreeMap::new();
     for outcome in outcomes {
-        if let Some(provider) = provider_of.get(&outcome.grant_id.as_uuid()) {
-            by_provider.entry(provider.as_str()).or_default().push((outcome.health, outcome.at));
+        if let Some((provider, stored)) = found.get(&outcome.grant_id.as_uuid()) {
+            by_provider.entry(provider.as_str()).or_insert((*stored, Vec::new())).1.push((outcome.health, outcome.at));
         }
     }
-    for (provider, seen) in by_provider {
+    for (provider, (stored, seen)) in by_provider {
         let Some(policy) = catalog.provider(provider).and_then(|p| p.adaptive_policy()) else {
             continue;
         };
-        let read = stored.get(provider).copied().flatten().unwrap_or_else(|| AdaptiveLimit::full(&policy));
-        if moves_nothing(read, &seen, &policy) {
+        let read = stored.unwrap_or_else(|| AdaptiveLimit::full(&policy));
+        if moves(read, &seen, &policy)
+            .iter()
+            .all(|(before, after, change)| after == before && *change == Change::Unchanged)
+        {
             continue;
         }
         sqlx::query("INSERT INTO provider_limits (provider, state) VALUES ($1, $2) ON CONFLICT DO NOTHING")
@@ -85,14 +72,13 @@ pub async fn observe_all(tx: &mut PgConnection, catalog: &Catalog, outcomes: &[O
                 .bind(provider)
                 .fetch_one(&mut *tx)
                 .await?;
-        let mut next = current.0;
-        for (health, at) in &seen {
-            let (moved, change) = next.observe(*health, *at, &policy);
-            if moved != next {
-                log_change(provider, &moved, change, &policy);
+        let steps = moves(current.0, &seen, &policy);
+        for (before, after, change) in &steps {
+            if after != before {
+                log_change(provider, after, *change, &policy);
             }
-            next = moved;
         }
+        let next = steps.last().map_or(current.0, |(_, after, _)| *after);
         if next == current.0 {
             continue;
         }
@@ -105,17 +91,26 @@ pub async fn observe_all(tx: &mut PgConnection, catalog: &Catalog, outcomes: &[O
     Ok(())
 }
 
-/// Whether no one of `outcomes`, taken in order from `limit`, changes anything.
-fn moves_nothing(limit: AdaptiveLimit, outcomes: &[(Health, Micros)], policy: &AdaptivePolicy) -> bool {
+/// A provider's limit as a batch read it (none: never moved), and the batch's
+/// outcomes at that provider in the order heard.
+type Heard = (Option<AdaptiveLimit>, Vec<(Health, Micros)>);
+
+/// Each outcome's move of the limit, in order from `limit`: the limit before it,
+/// after it, and the change.
+fn moves(
+    limit: AdaptiveLimit,
+    outcomes: &[(Health, Micros)],
+    policy: &AdaptivePolicy,
+) -> Vec<(AdaptiveLimit, AdaptiveLimit, Change)> {
     let mut now = limit;
-    for (health, at) in outcomes {
-        let (next, change) = now.observe(*health, *at, policy);
-        if (next, change) != (now, Change::Unchanged) {
-            return false;
-        }
-        now = next;
-    }
-    true
+    (outcomes.iter())
+        .map(|(health, at)| {
+            let (next, change) = now.observe(*health, *at, policy);
+            let step = (now, next, change);
+            now = next;
+            step
+        })
+        .collect()
 }
 
 fn log_change(provider: &str, next: &AdaptiveLimit, change: Change, policy: &AdaptivePolicy) {

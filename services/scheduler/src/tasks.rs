@@ -79,12 +79,13 @@ pub async fn lock(tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskR
 
 /// Loads and row-locks, with one statement, those of `task_ids` that exist, in task
 /// order (every batch locks its rows in one order, so two never wait on each other).
-pub async fn lock_all(tx: &mut PgConnection, task_ids: &[uuid::Uuid]) -> Result<Vec<TaskRow>, sqlx::Error> {
+pub async fn lock_all(tx: &mut PgConnection, task_ids: &[TaskId]) -> Result<Vec<TaskRow>, sqlx::Error> {
     if task_ids.is_empty() {
         return Ok(Vec::new());
     }
+    let ids: Vec<uuid::Uuid> = task_ids.iter().map(|id| id.as_uuid()).collect();
     let rows: Vec<RawRow> = sqlx::query_as(&format!("{SELECT} WHERE task_id = ANY($1) ORDER BY task_id FOR UPDATE"))
-        .bind(task_ids)
+        .bind(ids)
         .fetch_all(&mut *tx)
         .await?;
     Ok(rows.into_iter().map(TaskRow::from).collect())

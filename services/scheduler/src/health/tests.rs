@@ -45,7 +45,7 @@ async fn slot_at(pool: &PgPool, provider: &str) -> GrantId {
 
 async fn observe_one(pool: &PgPool, catalog: &Catalog, grant_id: GrantId, health: Health, now: Micros) {
     let mut tx = pool.begin().await.expect("begin");
-    observe(&mut tx, catalog, grant_id, health, now).await.expect("observe");
+    observe_all(&mut tx, catalog, &[Outcome { grant_id, health, at: now }]).await.expect("observe");
     tx.commit().await.expect("commit");
 }
 

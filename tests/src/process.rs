@@ -313,7 +313,14 @@ fn running_as_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
-/// A port nobody listens on now.
+/// A port nobody listens on now, above the kernel's ephemeral ports (32768-60999),
+/// as the test stack's own: a port the kernel hands out could be taken by another
+/// process's outgoing connection between this check and the child binding it.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
+    loop {
+        let port = rand::random_range(61_100..65_500);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }

@@ -173,6 +173,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         let openapi = Arc::new(openapi::document(&kinds).to_string());
         let state = web::Data::new(routes::State {
             outbox: base.outbox.clone(),
+            submissions: tasks::SubmissionWriter::start(base.database.pool.clone(), base.outbox.clone()),
             kinds,
             webhook_tolerance_seconds,
             sealing: opening,

@@ -26,6 +26,8 @@ use crate::{HEADER_VALUE_LIMIT, HEADERS_LIMIT, kinds, live, sealing};
 #[derive(Debug, Clone)]
 pub(crate) struct State {
     pub(crate) outbox: OutboxWriter,
+    /// Writes the API's and the webhooks' submissions, together when they arrive together.
+    pub(crate) submissions: crate::tasks::SubmissionWriter,
     pub(crate) kinds: Arc<kinds::KindCatalog>,
     pub(crate) webhook_tolerance_seconds: i64,
     /// The keys that open sealed webhook secrets; `None`: secrets are in clear.

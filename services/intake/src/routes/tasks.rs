@@ -43,7 +43,6 @@ pub(crate) async fn submit(
     req: HttpRequest,
     caller: Caller,
     state: web::Data<State>,
-    pool: web::Data<PgPool>,
     body: web::Json<SubmitTask>,
 ) -> Result<HttpResponse, ApiError> {
     let key = req
@@ -55,7 +54,7 @@ pub(crate) async fn submit(
     let key = IdempotencyKey::parse(key)?;
     let task = body.into_inner().validate(&state.kinds)?;
     // Do not change: `api` is the namespace of every stored API key.
-    Ok(submission_answer(tasks::submit(&pool, &state.outbox, &caller.0, &key, task, "api").await?))
+    Ok(submission_answer(state.submissions.submit(&caller.0, &key, task, "api").await?))
 }
 
 /// `202` with the task id, its status URL as `Location`, and

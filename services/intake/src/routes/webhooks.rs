@@ -84,5 +84,5 @@ pub(crate) async fn webhook(
     .validate(&state.kinds)?;
     // Do not change: the source is the namespace of its stored idempotency keys.
     let source_label = format!("webhook:{}", path.as_str());
-    Ok(submission_answer(tasks::submit(&pool, &state.outbox, &source.tenant, &key, task, &source_label).await?))
+    Ok(submission_answer(state.submissions.submit(&source.tenant, &key, task, &source_label).await?))
 }

@@ -176,11 +176,22 @@ pub enum Submitted {
     Replayed(Accepted),
 }
 
-/// Submits `task` under `key` for `tenant`, exactly once per key of `source`.
+/// One submission: which tenant asks, under which key of which source, for what.
 ///
 /// `source` (`api`, `webhook:{source}`, `topic:{source}`) is both the task's
 /// recorded source and the key's namespace: the same key text from two sources
 /// names two different submissions.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub tenant: Tenant,
+    pub key: IdempotencyKey,
+    pub task: ValidTask,
+    pub source: String,
+}
+
+/// Submits `task` under `key` for `tenant`, exactly once per key of `source`, with a
+/// statement of its own ([`crate::tasks::SubmissionWriter`] writes the API's and the
+/// webhooks' submissions together).
 ///
 /// A concurrent request with the same key blocks on the key's unique index until
 /// the first transaction ends, then replays its answer (or, if the first rolled
@@ -193,23 +204,29 @@ pub async fn submit(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
+    let submission = Submission { tenant: tenant.clone(), key: key.clone(), task, source: source.to_owned() };
     // One statement writes the whole submission, so it needs no transaction of its
     // own: no BEGIN and COMMIT round trips around it.
     let mut conn = pool.acquire().await?;
-    let submitted = submit_in(&mut conn, outbox, tenant, key, task, source).await?;
+    let submitted = submit_all_in(&mut conn, outbox, std::slice::from_ref(&submission)).await?;
     drop(conn);
-    // The task is accepted; the client has not heard so (a crash here loses only the answer).
+    let submitted = submitted.into_iter().next().expect("one answer per submission");
+    accepted_and_committed(outbox, std::slice::from_ref(&submitted));
+    submitted
+}
+
+/// What follows the commit of submissions: this process's relay is woken if any
+/// was new.
+pub(crate) fn accepted_and_committed(outbox: &OutboxWriter, submitted: &[Result<Submitted, ApiError>]) {
+    // The tasks are accepted; the clients have not heard so (a crash here loses only the answers).
     let _ = fenceline_bus::faults::drops("intake.after_accept_commit");
-    if matches!(submitted, Submitted::Created(_)) {
+    if submitted.iter().any(|s| matches!(s, Ok(Submitted::Created(_)))) {
         outbox.committed();
     }
-    Ok(submitted)
 }
 
 /// The submission inside the caller's transaction (the upstream topic's consumer
-/// submits inside its batch transaction). Claiming the key, storing the task, its
-/// `TaskAccepted` in the outbox and the change mark are one statement, each part
-/// written only if the key was new.
+/// submits inside its batch transaction).
 pub async fn submit_in(
     conn: &mut PgConnection,
     outbox: &OutboxWriter,
@@ -218,71 +235,167 @@ pub async fn submit_in(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
-    let fingerprint = task.fingerprint();
-    let task_id = TaskId::new_v7();
-    let accepted_at = OffsetDateTime::now_utc();
-    let event = Event::TaskAccepted(TaskAccepted {
-        task_id,
-        tenant: tenant.as_str().to_owned(),
-        kind: task.kind.clone(),
-        input_json: task.input.to_string(),
-        priority: task.priority,
-        deadline: task.deadline.map(Timestamp::from),
-        not_before: task.not_before.map(Timestamp::from),
-        labels: task.labels.clone().into_iter().collect(),
-        source: source.to_owned(),
-        accepted_at: Timestamp::from(accepted_at),
+    let submission = Submission { tenant: tenant.clone(), key: key.clone(), task, source: source.to_owned() };
+    submit_all_in(conn, outbox, std::slice::from_ref(&submission)).await?.into_iter().next().expect("one answer")
+}
+
+/// Submits each of `submissions` with one statement, on `conn` (inside the caller's
+/// transaction, or as a transaction of its own): claiming the keys, storing the
+/// tasks, their `TaskAccepted` events in the outbox and the change marks, each part
+/// written only for a key that was new. The keys are claimed in (tenant, source,
+/// key) order, so two such statements never wait on each other's keys in opposite
+/// orders; a key given twice creates one task, and the second is answered as a
+/// replay of it, or refused if its request differs.
+///
+/// The outer error is the statement's (nothing was written); the answers are in
+/// the order of `submissions`.
+pub async fn submit_all_in(
+    conn: &mut PgConnection,
+    outbox: &OutboxWriter,
+    submissions: &[Submission],
+) -> Result<Vec<Result<Submitted, ApiError>>, ApiError> {
+    let mut order: Vec<usize> = (0..submissions.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&submissions[a], &submissions[b]);
+        (a.tenant.as_str(), a.source.as_str(), a.key.as_str()).cmp(&(
+            b.tenant.as_str(),
+            b.source.as_str(),
+            b.key.as_str(),
+        ))
     });
-    let row = outbox.row(topics::TASKS, &event)?;
-    let traceparent = row.traceparent().map(str::to_owned);
-    // The source is the key's namespace: keys of different sources never meet.
-    let statement = format!(
-        "WITH claimed_key AS ( \
+    let accepted_at = OffsetDateTime::now_utc();
+    let task_ids: Vec<TaskId> = submissions.iter().map(|_| TaskId::new_v7()).collect();
+    let fingerprints: Vec<Vec<u8>> = submissions.iter().map(|s| s.task.fingerprint()).collect();
+    let mut columns = Columns::default();
+    for &i in &order {
+        let Submission { tenant, key, task, source } = &submissions[i];
+        let event = Event::TaskAccepted(TaskAccepted {
+            task_id: task_ids[i],
+            tenant: tenant.as_str().to_owned(),
+            kind: task.kind.clone(),
+            input_json: task.input.to_string(),
+            priority: task.priority,
+            deadline: task.deadline.map(Timestamp::from),
+            not_before: task.not_before.map(Timestamp::from),
+            labels: task.labels.clone().into_iter().collect(),
+            source: source.clone(),
+            accepted_at: Timestamp::from(accepted_at),
+        });
+        let row = outbox.row(topics::TASKS, &event)?;
+        columns.traceparents.push(row.traceparent().map(str::to_owned));
+        columns.events.push(row);
+        columns.tenants.push(tenant.as_str());
+        columns.sources.push(source.as_str());
+        columns.keys.push(key.as_str());
+        columns.fingerprints.push(fingerprints[i].as_slice());
+        columns.task_ids.push(task_ids[i].as_uuid());
+        columns.kinds.push(task.kind.as_str());
+        columns.inputs.push(&task.input);
+        columns.priorities.push(task.priority.as_str());
+        columns.deadlines.push(task.deadline);
+        columns.not_befores.push(task.not_before);
+        columns.labels.push(sqlx::types::Json(&task.labels));
+    }
+    let created: Vec<uuid::Uuid> = sqlx::query_scalar(&SUBMIT_ALL)
+        .bind(columns.tenants)
+        .bind(columns.sources)
+        .bind(columns.keys)
+        .bind(columns.fingerprints)
+        .bind(columns.task_ids)
+        .bind(columns.kinds)
+        .bind(columns.inputs)
+        .bind(columns.priorities)
+        .bind(columns.deadlines)
+        .bind(columns.not_befores)
+        .bind(columns.labels)
+        .bind(accepted_at)
+        .bind(columns.traceparents)
+        .bind(columns.events)
+        .fetch_one(&mut *conn)
+        .await?;
+    let mut answers = Vec::with_capacity(submissions.len());
+    for (i, submission) in submissions.iter().enumerate() {
+        let task_id = task_ids[i];
+        if created.contains(&task_id.as_uuid()) {
+            tracing::info!(task_id = %task_id, tenant = submission.tenant.as_str(), kind = %submission.task.kind,
+                source = submission.source, "task accepted");
+            answers.push(Ok(Submitted::Created(accepted(task_id))));
+        } else {
+            answers.push(replay(conn, submission, &fingerprints[i]).await?);
+        }
+    }
+    Ok(answers)
+}
+
+/// The statement's parameters, one array per column, in key order.
+#[derive(Default)]
+struct Columns<'a> {
+    tenants: Vec<&'a str>,
+    sources: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    fingerprints: Vec<&'a [u8]>,
+    task_ids: Vec<uuid::Uuid>,
+    kinds: Vec<&'a str>,
+    inputs: Vec<&'a serde_json::Value>,
+    priorities: Vec<&'static str>,
+    deadlines: Vec<Option<OffsetDateTime>>,
+    not_befores: Vec<Option<OffsetDateTime>>,
+    labels: Vec<sqlx::types::Json<&'a BTreeMap<String, String>>>,
+    traceparents: Vec<Option<String>>,
+    events: Vec<fenceline_bus::OutboxRow>,
+}
+
+/// Claims the given keys in the order given, stores a task for each key that was
+/// new, appends those tasks' events (`$14`, one per given row) and marks them
+/// changed; returns the ids of the tasks created.
+static SUBMIT_ALL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH given AS ( \
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], $6::text[], \
+             $7::jsonb[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::jsonb[], $13::text[]) \
+           WITH ORDINALITY AS g (tenant, namespace, idempotency_key, fingerprint, task_id, kind, input, priority, \
+             deadline, not_before, labels, traceparent, n)), \
+         claimed_key AS ( \
            INSERT INTO idempotency_keys (tenant, namespace, idempotency_key, fingerprint, task_id) \
-           VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING RETURNING task_id, tenant), \
+           SELECT tenant, namespace, idempotency_key, fingerprint, task_id FROM given ORDER BY n \
+           ON CONFLICT DO NOTHING RETURNING task_id), \
          accepted AS ( \
            INSERT INTO tasks (task_id, tenant, kind, input, priority, deadline, not_before, labels, source, \
              accepted_at, traceparent) \
-           SELECT task_id, tenant, $6::text, $7::jsonb, $8::text, $9::timestamptz, $10::timestamptz, $11::jsonb, \
-             $2::text, $12::timestamptz, $13::text FROM claimed_key RETURNING task_id, tenant), \
-         appended AS MATERIALIZED (SELECT outbox_append($14::outbox_entry[]) AS rows FROM accepted), \
-         {marked} SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM appended)",
+           SELECT g.task_id, g.tenant, g.kind, g.input, g.priority, g.deadline, g.not_before, g.labels, g.namespace, \
+             $12::timestamptz, g.traceparent FROM given g JOIN claimed_key USING (task_id) ORDER BY g.n \
+           RETURNING task_id, tenant), \
+         appended AS MATERIALIZED ( \
+           SELECT outbox_append(ARRAY(SELECT ($14::outbox_entry[])[g.n::int] FROM given g \
+             WHERE g.task_id IN (SELECT task_id FROM accepted) ORDER BY g.n)) AS rows), \
+         {marked} \
+         SELECT ARRAY(SELECT task_id FROM accepted) \
+         FROM (SELECT count(*) FROM marked) AS m, appended",
         marked = crate::live::marked_from("accepted"),
-    );
-    let query = sqlx::query(&statement)
-        .bind(tenant.as_str())
-        .bind(source)
-        .bind(&key.0)
-        .bind(&fingerprint)
-        .bind(task_id.as_uuid())
-        .bind(&task.kind)
-        .bind(&task.input)
-        .bind(task.priority.as_str())
-        .bind(task.deadline)
-        .bind(task.not_before)
-        .bind(sqlx::types::Json(&task.labels))
-        .bind(accepted_at)
-        .bind(traceparent)
-        .bind(vec![row]);
-    let created: i64 = sqlx::Row::try_get(&query.fetch_one(&mut *conn).await?, 0)?;
-    if created == 0 {
-        let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
-            "SELECT fingerprint, task_id FROM idempotency_keys \
-             WHERE tenant = $1 AND namespace = $2 AND idempotency_key = $3",
-        )
-        .bind(tenant.as_str())
-        .bind(source)
-        .bind(&key.0)
-        .fetch_one(&mut *conn)
-        .await?;
-        return if stored == fingerprint {
-            Ok(Submitted::Replayed(accepted(TaskId::from_uuid(existing))))
-        } else {
-            Err(ApiError::IdempotencyKeyReused)
-        };
-    }
-    tracing::info!(task_id = %task_id, tenant = tenant.as_str(), kind = %task.kind, source, "task accepted");
-    Ok(Submitted::Created(accepted(task_id)))
+    )
+});
+
+/// The answer for a key that was not new: the task it names, if the request is the
+/// same; refused if it differs.
+async fn replay(
+    conn: &mut PgConnection,
+    submission: &Submission,
+    fingerprint: &[u8],
+) -> Result<Result<Submitted, ApiError>, ApiError> {
+    let (stored, existing): (Vec<u8>, uuid::Uuid) = sqlx::query_as(
+        "SELECT fingerprint, task_id FROM idempotency_keys \
+         WHERE tenant = $1 AND namespace = $2 AND idempotency_key = $3",
+    )
+    .bind(submission.tenant.as_str())
+    .bind(&submission.source)
+    .bind(submission.key.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(if stored == fingerprint {
+        Ok(Submitted::Replayed(accepted(TaskId::from_uuid(existing))))
+    } else {
+        Err(ApiError::IdempotencyKeyReused)
+    })
 }
 
 fn accepted(task_id: TaskId) -> Accepted {

@@ -56,61 +56,120 @@ impl Outcomes {
 /// keeps each row locked, so no one else can change or read it meanwhile;
 /// forgotten when the batch or the savepoint is flushed or rolled back.
 #[derive(Debug, Default)]
-pub struct HeldRows(std::sync::Mutex<std::collections::HashMap<TaskId, Held>>);
+pub struct HeldRows(std::sync::Mutex<Holding>);
+
+/// What a batch holds: its locked rows, and the tasks it looked for and did not find.
+#[derive(Debug, Default)]
+pub struct Holding {
+    rows: std::collections::HashMap<TaskId, Held>,
+    /// Keys of the batch that named no stored task when it locked its rows: a
+    /// `TaskAccepted` for one of them is new, and its row is inserted at the flush.
+    unknown: std::collections::HashSet<TaskId>,
+}
 
 /// A locked row, and whether the batch changed it since it was read.
 #[derive(Debug)]
 pub struct Held {
     row: TaskRow,
     changed: bool,
+    /// The row is not stored yet: the batch accepted its task, and inserts it
+    /// with these columns, as its events left it, when it ends.
+    new: Option<tasks::NewRow>,
+}
+
+/// The rows a batch changed, to store when it ends: those it accepted, to insert,
+/// and the others, to update; each in task order.
+#[derive(Debug, Default)]
+struct Changed {
+    inserted: Vec<(TaskRow, tasks::NewRow)>,
+    updated: Vec<TaskRow>,
 }
 
 impl HeldRows {
-    fn held(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<TaskId, Held>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, Holding> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Holds a row the batch changed, to be stored at the flush.
     fn changed(&self, row: TaskRow) {
-        self.held().insert(row.task_id, Held { row, changed: true });
+        let mut held = self.held();
+        match held.rows.get_mut(&row.task_id) {
+            Some(held) => {
+                held.row = row;
+                held.changed = true;
+            }
+            None => {
+                held.rows.insert(row.task_id, Held { row, changed: true, new: None });
+            }
+        }
+    }
+
+    /// Holds the row of a task the batch accepted, to be inserted at the flush.
+    fn accepted(&self, row: TaskRow, new: tasks::NewRow) {
+        let mut held = self.held();
+        held.unknown.remove(&row.task_id);
+        held.rows.insert(row.task_id, Held { row, changed: true, new: Some(new) });
+    }
+
+    /// Whether the batch looked for the task when it locked its rows and found none.
+    fn unknown(&self, task_id: TaskId) -> bool {
+        self.held().unknown.contains(&task_id)
+    }
+
+    /// Whether the batch holds the task's row.
+    fn holds(&self, task_id: TaskId) -> bool {
+        self.held().rows.contains_key(&task_id)
     }
 
     /// Notes the signal a task's step now waits for, which its row holds too.
     fn awaiting(&self, task_id: TaskId, signal: &str, step: &str) {
-        if let Some(held) = self.held().get_mut(&task_id) {
+        if let Some(held) = self.held().rows.get_mut(&task_id) {
             held.row.pending_signal = Some(signal.to_owned());
             held.row.pending_step = Some(step.to_owned());
         }
     }
 
-    /// Forgets every row; returns the changed ones, in task order.
-    fn take_changed(&self) -> Vec<TaskRow> {
-        let mut changed: Vec<TaskRow> =
-            self.held().drain().filter(|(_, held)| held.changed).map(|(_, held)| held.row).collect();
-        changed.sort_by_key(|row| row.task_id.as_uuid());
+    /// Forgets every row; returns the changed ones.
+    fn take_changed(&self) -> Changed {
+        let mut held = self.held();
+        held.unknown.clear();
+        let mut changed = Changed::default();
+        for (_, held) in held.rows.drain().filter(|(_, held)| held.changed) {
+            match held.new {
+                Some(new) => changed.inserted.push((held.row, new)),
+                None => changed.updated.push(held.row),
+            }
+        }
+        changed.inserted.sort_by_key(|(row, _)| row.task_id.as_uuid());
+        changed.updated.sort_by_key(|row| row.task_id.as_uuid());
         changed
     }
 
     fn clear(&self) {
-        self.held().clear();
+        let mut held = self.held();
+        held.rows.clear();
+        held.unknown.clear();
     }
 
     /// Locks and holds, with one statement, the rows of the tasks a batch's records
-    /// are keyed by (a record's key is its task's id), those not held yet.
+    /// are keyed by (a record's key is its task's id), those not held yet; notes
+    /// the keys that name no stored task.
     async fn lock_keyed(&self, tx: &mut PgConnection, keys: &[&[u8]]) -> Result<(), sqlx::Error> {
         let mut task_ids: Vec<TaskId> = {
             let held = self.held();
             (keys.iter())
                 .filter_map(|key| std::str::from_utf8(key).ok()?.parse::<TaskId>().ok())
-                .filter(|id| !held.contains_key(id))
+                .filter(|id| !held.rows.contains_key(id))
                 .collect()
         };
         task_ids.sort_unstable_by_key(TaskId::as_uuid);
         task_ids.dedup();
         let rows = tasks::lock_all(tx, &task_ids).await?;
         let mut held = self.held();
+        held.unknown.extend(task_ids);
         for row in rows {
-            held.entry(row.task_id).or_insert(Held { row, changed: false });
+            held.unknown.remove(&row.task_id);
+            held.rows.entry(row.task_id).or_insert(Held { row, changed: false, new: None });
         }
         Ok(())
     }
@@ -118,12 +177,12 @@ impl HeldRows {
     /// The task's row, locked: held by this batch already, or locked and read now
     /// (and held from then on).
     async fn lock(&self, tx: &mut PgConnection, task_id: TaskId) -> Result<Option<TaskRow>, sqlx::Error> {
-        if let Some(held) = self.held().get(&task_id) {
+        if let Some(held) = self.held().rows.get(&task_id) {
             return Ok(Some(held.row.clone()));
         }
         let row = tasks::lock(tx, task_id).await?;
         if let Some(row) = &row {
-            self.held().insert(task_id, Held { row: row.clone(), changed: false });
+            self.held().rows.insert(task_id, Held { row: row.clone(), changed: false, new: None });
         }
         Ok(row)
     }
@@ -162,7 +221,36 @@ impl LifecycleEvents {
         };
         // The handler's span continues the submission's trace; later work joins it.
         let traceparent = fenceline_telemetry::current_traceparent();
-        // One statement: the task, the requests that outran it taken, and the
+        let provider = kind.and_then(|k| k.slot_provider());
+        if self.held.holds(e.task_id) {
+            // A copy: the task is stored, and the batch holds its row.
+            return Ok(());
+        }
+        if self.held.unknown(e.task_id) {
+            // New, as the batch's lock found: inserted with the batch's other new
+            // tasks when it ends ([`tasks::insert_all`]), as its events leave it.
+            let row = TaskRow {
+                task_id: e.task_id,
+                tenant: e.tenant.clone(),
+                kind: e.kind.clone(),
+                input_json: e.input_json.clone(),
+                lifecycle: task.clone(),
+                version: 1,
+                pending_signal: None,
+                pending_step: None,
+                traceparent,
+                accepted_at: e.accepted_at.0,
+            };
+            if task.is_final() {
+                self.ends.keep(&self.catalog, &e.kind, task.state, e.accepted_at.0, now);
+            }
+            self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
+            let new =
+                tasks::NewRow { priority, provider: provider.map(str::to_owned), deadline_us: e.deadline.map(|t| t.0) };
+            self.held.accepted(row, new);
+            return Ok(());
+        }
+        // Not looked for by the batch (applied one event at a time). One statement: the task, the requests that outran it taken, and the
         // dispatchers woken at commit if it is due (the third column only makes
         // `woken` run). No row: the task was known.
         let inserted: Vec<(Option<i64>, Option<Vec<u8>>, i64)> = sqlx::query_as(
@@ -182,7 +270,7 @@ impl LifecycleEvents {
         .bind(&e.kind)
         .bind(&e.input_json)
         .bind(priority)
-        .bind(kind.and_then(|k| k.slot_provider()))
+        .bind(provider)
         .bind(sqlx::types::Json(&task))
         .bind(task.state.as_str())
         .bind(e.deadline.map(|t| t.0))
@@ -217,7 +305,7 @@ impl LifecycleEvents {
         for input in early {
             row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         }
-        self.held.held().insert(row.task_id, Held { row, changed });
+        self.held.held().rows.insert(row.task_id, Held { row, changed, new: None });
         Ok(())
     }
 }
@@ -289,7 +377,15 @@ impl Handler for LifecycleEvents {
     }
 
     async fn flush(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
-        tasks::save_all(tx, self.ctx(outbox), &self.held.take_changed()).await?;
+        let changed = self.held.take_changed();
+        if !tasks::insert_all(tx, self.ctx(outbox), &changed.inserted).await? {
+            // A task of the batch had requests that outran it: the batch is applied
+            // again one event at a time, where its acceptance applies them in order.
+            return Err(HandleError::OneAtATime(
+                "a task the batch accepted has requests kept from before it arrived".into(),
+            ));
+        }
+        tasks::save_all(tx, self.ctx(outbox), &changed.updated).await?;
         let outcomes = std::mem::take(&mut *self.outcomes.heard());
         health::observe_all(tx, &self.catalog, &outcomes).await?;
         self.slots.flush(tx, &self.channel).await?;

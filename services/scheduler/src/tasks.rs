@@ -333,6 +333,107 @@ pub async fn save_all(tx: &mut PgConnection, ctx: Context<'_>, rows: &[TaskRow])
     Ok(())
 }
 
+/// The columns a task's first insert stores beside its [`TaskRow`].
+#[derive(Debug, Clone)]
+pub struct NewRow {
+    /// 0 high, 1 normal, 2 low.
+    pub priority: i16,
+    /// The provider of its first slot, if its kind calls one.
+    pub provider: Option<String>,
+    pub deadline_us: Option<Micros>,
+}
+
+/// Inserts, with one statement, the rows of tasks a consumer batch accepted, as
+/// the batch's events left them, and wakes the dispatchers at commit if one is
+/// due. A task with requests kept from before it arrived (`early_requests`), or
+/// one stored meanwhile, is not inserted: `false` then, and the caller applies its
+/// batch again one event at a time, where its acceptance takes those requests.
+pub async fn insert_all(
+    tx: &mut PgConnection,
+    ctx: Context<'_>,
+    rows: &[(TaskRow, NewRow)],
+) -> Result<bool, sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(true);
+    }
+    let mut columns = NewColumns::default();
+    for (row, new) in rows {
+        let task = &row.lifecycle;
+        columns.ids.push(row.task_id.as_uuid());
+        columns.tenants.push(row.tenant.as_str());
+        columns.kinds.push(row.kind.as_str());
+        columns.inputs.push(row.input_json.as_str());
+        columns.priorities.push(new.priority);
+        columns.providers.push(new.provider.as_deref());
+        columns.lifecycles.push(sqlx::types::Json(task));
+        columns.states.push(task.state.as_str());
+        columns.deadlines.push(new.deadline_us);
+        columns.traceparents.push(row.traceparent.as_deref());
+        columns.due.push(due_at(task));
+        columns.versions.push(row.version);
+        columns.accepted_at.push(row.accepted_at);
+        columns.pending_signals.push(row.pending_signal.as_deref());
+        columns.pending_steps.push(row.pending_step.as_deref());
+    }
+    let (inserted, _woken): (i64, i64) = sqlx::query_as(
+        "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int2[], $6::text[], \
+             $7::jsonb[], $8::text[], $9::int8[], $10::text[], $11::int8[], $12::int8[], $13::int8[], $14::text[], \
+             $15::text[]) \
+           AS g (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, deadline_us, traceparent, \
+             due_at_us, version, accepted_at_us, pending_signal, pending_step)), \
+         inserted AS ( \
+           INSERT INTO tasks (task_id, tenant, kind, input_json, priority, provider, lifecycle, state, deadline_us, \
+             traceparent, due_at_us, version, accepted_at, pending_signal, pending_step) \
+           SELECT task_id, tenant, kind, input_json, priority, provider, lifecycle, state, deadline_us, traceparent, \
+             due_at_us, version, to_timestamp(accepted_at_us::float8 / 1000000), pending_signal, pending_step \
+           FROM given g WHERE NOT EXISTS (SELECT 1 FROM early_requests e WHERE e.task_id = g.task_id) \
+           ORDER BY task_id \
+           ON CONFLICT (task_id) DO NOTHING RETURNING due_at_us) \
+         SELECT (SELECT count(*) FROM inserted), \
+           (SELECT count(*) FROM (SELECT pg_notify($16, '') FROM (SELECT 1 FROM inserted WHERE due_at_us IS NOT NULL \
+             LIMIT 1) AS due) AS woken)",
+    )
+    .bind(columns.ids)
+    .bind(columns.tenants)
+    .bind(columns.kinds)
+    .bind(columns.inputs)
+    .bind(columns.priorities)
+    .bind(columns.providers)
+    .bind(columns.lifecycles)
+    .bind(columns.states)
+    .bind(columns.deadlines)
+    .bind(columns.traceparents)
+    .bind(columns.due)
+    .bind(columns.versions)
+    .bind(columns.accepted_at)
+    .bind(columns.pending_signals)
+    .bind(columns.pending_steps)
+    .bind(ctx.channel)
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(usize::try_from(inserted).is_ok_and(|n| n == rows.len()))
+}
+
+/// [`insert_all`]'s parameters, one array per column.
+#[derive(Default)]
+struct NewColumns<'a> {
+    ids: Vec<uuid::Uuid>,
+    tenants: Vec<&'a str>,
+    kinds: Vec<&'a str>,
+    inputs: Vec<&'a str>,
+    priorities: Vec<i16>,
+    providers: Vec<Option<&'a str>>,
+    lifecycles: Vec<sqlx::types::Json<&'a Task>>,
+    states: Vec<&'a str>,
+    deadlines: Vec<Option<Micros>>,
+    traceparents: Vec<Option<&'a str>>,
+    due: Vec<Option<Micros>>,
+    versions: Vec<i64>,
+    accepted_at: Vec<Micros>,
+    pending_signals: Vec<Option<&'a str>>,
+    pending_steps: Vec<Option<&'a str>>,
+}
+
 /// When the task next needs the dispatcher: its timer, or its deadline if that
 /// comes first (the deadline is a timer too).
 pub fn due_at(task: &Task) -> Option<Micros> {

@@ -71,6 +71,12 @@ pub enum HandleError {
     /// is tried again until a build that reads it is deployed; never dead-lettered.
     #[error("held: {0}")]
     Held(String),
+    /// The batch cannot be applied as a whole, only one event at a time, each in a
+    /// savepoint of its own (a handler that gathered work for the batch's end met
+    /// what only the event-by-event path handles): it is rolled back and applied
+    /// again so; nothing is dead-lettered for it.
+    #[error("one at a time: {0}")]
+    OneAtATime(String),
     #[error(transparent)]
     Bus(#[from] Error),
 }
@@ -96,7 +102,10 @@ impl HandleError {
     fn passing(&self) -> bool {
         let database = match self {
             HandleError::Transient(e) | HandleError::Bus(Error::Database(e)) => e,
-            HandleError::Held(_) | HandleError::Bus(Error::Kafka(_)) | HandleError::Bus(Error::Injected(_)) => {
+            HandleError::Held(_)
+            | HandleError::OneAtATime(_)
+            | HandleError::Bus(Error::Kafka(_))
+            | HandleError::Bus(Error::Injected(_)) => {
                 return true;
             }
             HandleError::Bus(_) | HandleError::Poison(_) => return false,

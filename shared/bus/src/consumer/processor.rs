@@ -337,7 +337,7 @@ impl<H: Handler> Processor<H> {
         if !savepoints {
             match self.handler.flush(&mut tx, &self.outbox).await {
                 Ok(()) => {}
-                Err(e) if matches!(e, HandleError::Poison(_)) || e.refusal_of_the_record().is_some() => {
+                Err(e) if applies_one_at_a_time(&e) => {
                     return Err(BatchFailure::RefusedWithoutSavepoints);
                 }
                 Err(other) => return Err(other.into()),
@@ -454,7 +454,7 @@ impl<H: Handler> Processor<H> {
                         handled += 1;
                         span.in_scope(|| debug!("event handled; it commits with its batch"));
                     }
-                    Err(e) if matches!(e, HandleError::Poison(_)) || e.refusal_of_the_record().is_some() => {
+                    Err(e) if applies_one_at_a_time(&e) => {
                         return Err(BatchFailure::RefusedWithoutSavepoints);
                     }
                     Err(other) => return Err(other.into()),
@@ -483,6 +483,9 @@ impl<H: Handler> Processor<H> {
                     continue;
                 }
                 Err(HandleError::Poison(reason)) => reason,
+                // A record condemned within a batch applied whole: the batch again,
+                // every event in a savepoint.
+                Err(HandleError::OneAtATime(_)) if !savepoints => return Err(BatchFailure::RefusedWithoutSavepoints),
                 Err(other) => match (other.refusal_of_the_record(), condemned_here) {
                     (Some(reason), _) => reason,
                     (None, Some(condemned)) if !other.passing() => format!("{}; then: {other}", condemned.reason),
@@ -539,4 +542,10 @@ impl<H: Handler> Processor<H> {
         self.shared().stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// Whether a batch applied whole must be applied again with a savepoint per event:
+/// a handler refused an event, or asked for it ([`HandleError::OneAtATime`]).
+fn applies_one_at_a_time(e: &HandleError) -> bool {
+    matches!(e, HandleError::Poison(_) | HandleError::OneAtATime(_)) || e.refusal_of_the_record().is_some()
 }

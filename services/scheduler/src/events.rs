@@ -219,38 +219,35 @@ impl LifecycleEvents {
             Priority::Normal => 1,
             Priority::Low => 2,
         };
-        // The handler's span continues the submission's trace; later work joins it.
-        let traceparent = fenceline_telemetry::current_traceparent();
-        let provider = kind.and_then(|k| k.slot_provider());
         if self.held.holds(e.task_id) {
             // A copy: the task is stored, and the batch holds its row.
             return Ok(());
         }
+        let provider = kind.and_then(|k| k.slot_provider());
+        let mut row = TaskRow {
+            task_id: e.task_id,
+            tenant: e.tenant.clone(),
+            kind: e.kind.clone(),
+            input_json: e.input_json.clone(),
+            lifecycle: task.clone(),
+            version: 1,
+            pending_signal: None,
+            pending_step: None,
+            // The handler's span continues the submission's trace; later work joins it.
+            traceparent: fenceline_telemetry::current_traceparent(),
+            accepted_at: e.accepted_at.0,
+        };
         if self.held.unknown(e.task_id) {
             // New, as the batch's lock found: inserted with the batch's other new
             // tasks when it ends ([`tasks::insert_all`]), as its events leave it.
-            let row = TaskRow {
-                task_id: e.task_id,
-                tenant: e.tenant.clone(),
-                kind: e.kind.clone(),
-                input_json: e.input_json.clone(),
-                lifecycle: task.clone(),
-                version: 1,
-                pending_signal: None,
-                pending_step: None,
-                traceparent,
-                accepted_at: e.accepted_at.0,
-            };
-            if task.is_final() {
-                self.ends.keep(&self.catalog, &e.kind, task.state, e.accepted_at.0, now);
-            }
-            self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
+            self.announce(tx, outbox, &row, now).await?;
             let new =
                 tasks::NewRow { priority, provider: provider.map(str::to_owned), deadline_us: e.deadline.map(|t| t.0) };
             self.held.accepted(row, new);
             return Ok(());
         }
-        // Not looked for by the batch (applied one event at a time). One statement: the task, the requests that outran it taken, and the
+        // Not looked for by the batch (it is applied one event at a time). One
+        // statement: the task, the requests that outran it taken, and the
         // dispatchers woken at commit if it is due (the third column only makes
         // `woken` run). No row: the task was known.
         let inserted: Vec<(Option<i64>, Option<Vec<u8>>, i64)> = sqlx::query_as(
@@ -274,7 +271,7 @@ impl LifecycleEvents {
         .bind(sqlx::types::Json(&task))
         .bind(task.state.as_str())
         .bind(e.deadline.map(|t| t.0))
-        .bind(&traceparent)
+        .bind(&row.traceparent)
         .bind(tasks::due_at(&task))
         .bind(&*self.channel)
         .bind(e.accepted_at.0)
@@ -285,27 +282,29 @@ impl LifecycleEvents {
         }
         let early =
             early_inputs(e.task_id, inserted.into_iter().filter_map(|(seq, value, _)| seq.zip(value)).collect());
-        let mut row = TaskRow {
-            task_id: e.task_id,
-            tenant: e.tenant.clone(),
-            kind: e.kind.clone(),
-            input_json: e.input_json.clone(),
-            lifecycle: task.clone(),
-            version: 1,
-            pending_signal: None,
-            pending_step: None,
-            traceparent,
-            accepted_at: e.accepted_at.0,
-        };
-        if task.is_final() {
-            self.ends.keep(&self.catalog, &e.kind, task.state, e.accepted_at.0, now);
-        }
-        self.ctx(outbox).publish_status(tx, tasks::status_of(&row, &task, 1, now)).await?;
+        self.announce(tx, outbox, &row, now).await?;
         let changed = !early.is_empty();
         for input in early {
             row = tasks::apply(tx, self.ctx(outbox), &row, input, now).await?;
         }
         self.held.held().rows.insert(row.task_id, Held { row, changed, new: None });
+        Ok(())
+    }
+
+    /// What a new task's acceptance tells: its first status, and its end if it
+    /// ended at once (a kind the catalogue does not have).
+    async fn announce(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        row: &TaskRow,
+        now: i64,
+    ) -> Result<(), HandleError> {
+        let task = &row.lifecycle;
+        if task.is_final() {
+            self.ends.keep(&self.catalog, &row.kind, task.state, row.accepted_at, now);
+        }
+        self.ctx(outbox).publish_status(tx, tasks::status_of(row, task, 1, now)).await?;
         Ok(())
     }
 }

@@ -187,6 +187,22 @@ pub struct Submission {
     pub key: IdempotencyKey,
     pub task: ValidTask,
     pub source: String,
+    /// The trace the task's work joins: the submitting request's, taken where it
+    /// was made (the statement may run elsewhere, for several requests).
+    pub traceparent: Option<String>,
+}
+
+impl Submission {
+    /// A submission in the current span's trace.
+    pub fn new(tenant: &Tenant, key: &IdempotencyKey, task: ValidTask, source: &str) -> Self {
+        Submission {
+            tenant: tenant.clone(),
+            key: key.clone(),
+            task,
+            source: source.to_owned(),
+            traceparent: fenceline_telemetry::current_traceparent(),
+        }
+    }
 }
 
 /// Submits `task` under `key` for `tenant`, exactly once per key of `source`, with a
@@ -204,7 +220,25 @@ pub async fn submit(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
-    let submission = Submission { tenant: tenant.clone(), key: key.clone(), task, source: source.to_owned() };
+    let kind = task.kind.clone();
+    let submitted = submit_alone(pool, outbox, Submission::new(tenant, key, task, source)).await;
+    log_accepted(&submitted, tenant, &kind, source);
+    submitted
+}
+
+/// Logs a task's acceptance, in the span of the request that submitted it.
+pub(crate) fn log_accepted(submitted: &Result<Submitted, ApiError>, tenant: &Tenant, kind: &str, source: &str) {
+    if let Ok(Submitted::Created(accepted)) = submitted {
+        tracing::info!(task_id = %accepted.task_id, tenant = tenant.as_str(), kind, source, "task accepted");
+    }
+}
+
+/// [`submit`], for a submission made elsewhere (in its own trace).
+pub(crate) async fn submit_alone(
+    pool: &PgPool,
+    outbox: &OutboxWriter,
+    submission: Submission,
+) -> Result<Submitted, ApiError> {
     // One statement writes the whole submission, so it needs no transaction of its
     // own: no BEGIN and COMMIT round trips around it.
     let mut conn = pool.acquire().await?;
@@ -235,8 +269,12 @@ pub async fn submit_in(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
-    let submission = Submission { tenant: tenant.clone(), key: key.clone(), task, source: source.to_owned() };
-    submit_all_in(conn, outbox, std::slice::from_ref(&submission)).await?.into_iter().next().expect("one answer")
+    let kind = task.kind.clone();
+    let submission = Submission::new(tenant, key, task, source);
+    let submitted =
+        submit_all_in(conn, outbox, std::slice::from_ref(&submission)).await?.into_iter().next().expect("one answer");
+    log_accepted(&submitted, tenant, &kind, source);
+    submitted
 }
 
 /// Submits each of `submissions` with one statement, on `conn` (inside the caller's
@@ -268,7 +306,7 @@ pub async fn submit_all_in(
     let fingerprints: Vec<Vec<u8>> = submissions.iter().map(|s| s.task.fingerprint()).collect();
     let mut columns = Columns::default();
     for &i in &order {
-        let Submission { tenant, key, task, source } = &submissions[i];
+        let Submission { tenant, key, task, source, traceparent } = &submissions[i];
         let event = Event::TaskAccepted(TaskAccepted {
             task_id: task_ids[i],
             tenant: tenant.as_str().to_owned(),
@@ -281,7 +319,7 @@ pub async fn submit_all_in(
             source: source.clone(),
             accepted_at: Timestamp::from(accepted_at),
         });
-        let row = outbox.row(topics::TASKS, &event)?;
+        let row = outbox.row_in_trace(topics::TASKS, None, &event, traceparent.clone())?;
         columns.traceparents.push(row.traceparent().map(str::to_owned));
         columns.events.push(row);
         columns.tenants.push(tenant.as_str());
@@ -317,8 +355,6 @@ pub async fn submit_all_in(
     for (i, submission) in submissions.iter().enumerate() {
         let task_id = task_ids[i];
         if created.contains(&task_id.as_uuid()) {
-            tracing::info!(task_id = %task_id, tenant = submission.tenant.as_str(), kind = %submission.task.kind,
-                source = submission.source, "task accepted");
             answers.push(Ok(Submitted::Created(accepted(task_id))));
         } else {
             answers.push(replay(conn, submission, &fingerprints[i]).await?);

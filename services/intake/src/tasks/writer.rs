@@ -5,7 +5,7 @@ use fenceline_bus::OutboxWriter;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot};
 
-use super::submission::{Submission, Submitted, accepted_and_committed, submit, submit_all_in};
+use super::submission::{Submission, Submitted, accepted_and_committed, log_accepted, submit_all_in, submit_alone};
 use crate::auth::Tenant;
 use crate::problem::ApiError;
 use crate::tasks::{IdempotencyKey, ValidTask};
@@ -52,10 +52,14 @@ impl SubmissionWriter {
         task: ValidTask,
         source: &str,
     ) -> Result<Submitted, ApiError> {
-        let submission = Submission { tenant: tenant.clone(), key: key.clone(), task, source: source.to_owned() };
+        let kind = task.kind.clone();
+        // In the request's trace, which the writer's task is not.
+        let submission = Submission::new(tenant, key, task, source);
         let (answer, answered) = oneshot::channel();
         self.queue.send(Waiting { submission, answer }).await.map_err(|_| ApiError::Overloaded)?;
-        answered.await.unwrap_or(Err(ApiError::Overloaded))
+        let submitted = answered.await.unwrap_or(Err(ApiError::Overloaded));
+        log_accepted(&submitted, tenant, &kind, source);
+        submitted
     }
 
     /// How many submissions wait for the writer now.
@@ -94,8 +98,8 @@ async fn write_together(pool: &PgPool, outbox: &OutboxWriter, batch: Vec<Waiting
         }
         Err(error) => {
             tracing::warn!(%error, submissions = submissions.len(), "submissions written together failed; writing each alone");
-            for (answer, Submission { tenant, key, task, source }) in answers.into_iter().zip(submissions) {
-                let _ = answer.send(submit(pool, outbox, &tenant, &key, task, &source).await);
+            for (answer, submission) in answers.into_iter().zip(submissions) {
+                let _ = answer.send(submit_alone(pool, outbox, submission).await);
             }
         }
     }

@@ -205,24 +205,21 @@ impl Submission {
     }
 }
 
-/// Submits `task` under `key` for `tenant`, exactly once per key of `source`, with a
-/// statement of its own ([`crate::tasks::SubmissionWriter`] writes the API's and the
-/// webhooks' submissions together).
+/// Submits `submission`, exactly once per key of its source, with a statement of
+/// its own ([`crate::tasks::SubmissionWriter`] writes the API's and the webhooks'
+/// submissions together, and each alone when that fails).
 ///
 /// A concurrent request with the same key blocks on the key's unique index until
 /// the first transaction ends, then replays its answer (or, if the first rolled
 /// back, creates the task itself): it never gets a 409.
-pub async fn submit(
-    pool: &PgPool,
-    outbox: &OutboxWriter,
-    tenant: &Tenant,
-    key: &IdempotencyKey,
-    task: ValidTask,
-    source: &str,
-) -> Result<Submitted, ApiError> {
-    let kind = task.kind.clone();
-    let submitted = submit_alone(pool, outbox, Submission::new(tenant, key, task, source)).await;
-    log_accepted(&submitted, tenant, &kind, source);
+pub async fn submit(pool: &PgPool, outbox: &OutboxWriter, submission: &Submission) -> Result<Submitted, ApiError> {
+    // One statement writes the whole submission, so it needs no transaction of its
+    // own: no BEGIN and COMMIT round trips around it.
+    let mut conn = pool.acquire().await?;
+    let submitted = submit_all_in(&mut conn, outbox, std::slice::from_ref(submission)).await?;
+    drop(conn);
+    let submitted = submitted.into_iter().next().expect("one answer per submission");
+    accepted_and_committed(outbox, std::slice::from_ref(&submitted));
     submitted
 }
 
@@ -231,22 +228,6 @@ pub(crate) fn log_accepted(submitted: &Result<Submitted, ApiError>, tenant: &Ten
     if let Ok(Submitted::Created(accepted)) = submitted {
         tracing::info!(task_id = %accepted.task_id, tenant = tenant.as_str(), kind, source, "task accepted");
     }
-}
-
-/// [`submit`], for a submission made elsewhere (in its own trace).
-pub(crate) async fn submit_alone(
-    pool: &PgPool,
-    outbox: &OutboxWriter,
-    submission: Submission,
-) -> Result<Submitted, ApiError> {
-    // One statement writes the whole submission, so it needs no transaction of its
-    // own: no BEGIN and COMMIT round trips around it.
-    let mut conn = pool.acquire().await?;
-    let submitted = submit_all_in(&mut conn, outbox, std::slice::from_ref(&submission)).await?;
-    drop(conn);
-    let submitted = submitted.into_iter().next().expect("one answer per submission");
-    accepted_and_committed(outbox, std::slice::from_ref(&submitted));
-    submitted
 }
 
 /// What follows the commit of submissions: this process's relay is woken if any
@@ -269,11 +250,10 @@ pub async fn submit_in(
     task: ValidTask,
     source: &str,
 ) -> Result<Submitted, ApiError> {
-    let kind = task.kind.clone();
     let submission = Submission::new(tenant, key, task, source);
     let submitted =
         submit_all_in(conn, outbox, std::slice::from_ref(&submission)).await?.into_iter().next().expect("one answer");
-    log_accepted(&submitted, tenant, &kind, source);
+    log_accepted(&submitted, tenant, &submission.task.kind, source);
     submitted
 }
 
@@ -319,9 +299,8 @@ pub async fn submit_all_in(
             source: source.clone(),
             accepted_at: Timestamp::from(accepted_at),
         });
-        let row = outbox.row_in_trace(topics::TASKS, None, &event, traceparent.clone())?;
-        columns.traceparents.push(row.traceparent().map(str::to_owned));
-        columns.events.push(row);
+        columns.events.push(outbox.row_in_trace(topics::TASKS, None, &event, traceparent.clone())?);
+        columns.traceparents.push(traceparent.as_deref());
         columns.tenants.push(tenant.as_str());
         columns.sources.push(source.as_str());
         columns.keys.push(key.as_str());
@@ -377,7 +356,7 @@ struct Columns<'a> {
     deadlines: Vec<Option<OffsetDateTime>>,
     not_befores: Vec<Option<OffsetDateTime>>,
     labels: Vec<sqlx::types::Json<&'a BTreeMap<String, String>>>,
-    traceparents: Vec<Option<String>>,
+    traceparents: Vec<Option<&'a str>>,
     events: Vec<fenceline_bus::OutboxRow>,
 }
 

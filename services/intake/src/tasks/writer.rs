@@ -5,13 +5,13 @@ use fenceline_bus::OutboxWriter;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot};
 
-use super::submission::{Submission, Submitted, accepted_and_committed, log_accepted, submit_all_in, submit_alone};
+use super::submission::{Submission, Submitted, accepted_and_committed, log_accepted, submit, submit_all_in};
 use crate::auth::Tenant;
 use crate::problem::ApiError;
 use crate::tasks::{IdempotencyKey, ValidTask};
 
 /// At most this many submissions in one statement.
-pub const MOST_WRITTEN_TOGETHER: usize = 128;
+const MOST_WRITTEN_TOGETHER: usize = 128;
 
 /// Submissions waiting for the writer; a request waits for room beyond this.
 const MOST_WAITING: usize = 4 * MOST_WRITTEN_TOGETHER;
@@ -63,7 +63,8 @@ impl SubmissionWriter {
     }
 
     /// How many submissions wait for the writer now.
-    pub fn waiting(&self) -> usize {
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
         self.queue.max_capacity() - self.queue.capacity()
     }
 }
@@ -99,7 +100,7 @@ async fn write_together(pool: &PgPool, outbox: &OutboxWriter, batch: Vec<Waiting
         Err(error) => {
             tracing::warn!(%error, submissions = submissions.len(), "submissions written together failed; writing each alone");
             for (answer, submission) in answers.into_iter().zip(submissions) {
-                let _ = answer.send(submit_alone(pool, outbox, submission).await);
+                let _ = answer.send(submit(pool, outbox, &submission).await);
             }
         }
     }

@@ -95,14 +95,16 @@ async fn count(pool: &PgPool, statement: &str) -> i64 {
 async fn the_same_key_twice_gives_one_task_and_replays_its_answer() {
     let pool = fresh_schema().await;
     let (outbox, acme) = (outbox(), tenant("acme"));
-    let first = submit(&pool, &outbox, &acme, &key("order-81723"), valid(serde_json::json!({"a": 1})), "api")
-        .await
-        .expect("submit");
+    let first =
+        submit(&pool, &outbox, &Submission::new(&acme, &key("order-81723"), valid(serde_json::json!({"a": 1})), "api"))
+            .await
+            .expect("submit");
     let first = created(first);
     assert_eq!(first.status_url, format!("/v1/tasks/{}", first.task_id));
-    let again = submit(&pool, &outbox, &acme, &key("order-81723"), valid(serde_json::json!({"a": 1})), "api")
-        .await
-        .expect("submit again");
+    let again =
+        submit(&pool, &outbox, &Submission::new(&acme, &key("order-81723"), valid(serde_json::json!({"a": 1})), "api"))
+            .await
+            .expect("submit again");
     match again {
         Submitted::Replayed(replayed) => assert_eq!(replayed, first, "the first answer, replayed"),
         Submitted::Created(c) => panic!("a second task {c:?}"),
@@ -139,20 +141,27 @@ async fn a_used_key_refuses_another_request_and_other_sources_and_tenants_have_k
     let pool = fresh_schema().await;
     let (outbox, acme) = (outbox(), tenant("acme"));
     let first = created(
-        submit(&pool, &outbox, &acme, &key("k"), valid(serde_json::json!({"a": 1})), "api").await.expect("submit"),
+        submit(&pool, &outbox, &Submission::new(&acme, &key("k"), valid(serde_json::json!({"a": 1})), "api"))
+            .await
+            .expect("submit"),
     );
-    let refused = submit(&pool, &outbox, &acme, &key("k"), valid(serde_json::json!({"a": 2})), "api").await;
+    let refused =
+        submit(&pool, &outbox, &Submission::new(&acme, &key("k"), valid(serde_json::json!({"a": 2})), "api")).await;
     assert!(matches!(refused, Err(ApiError::IdempotencyKeyReused)), "{refused:?}");
 
     let from_webhook = created(
-        submit(&pool, &outbox, &acme, &key("k"), valid(serde_json::json!({"a": 1})), "webhook:shop")
+        submit(&pool, &outbox, &Submission::new(&acme, &key("k"), valid(serde_json::json!({"a": 1})), "webhook:shop"))
             .await
             .expect("submit from a webhook"),
     );
     let for_globex = created(
-        submit(&pool, &outbox, &tenant("globex"), &key("k"), valid(serde_json::json!({"a": 1})), "api")
-            .await
-            .expect("submit for another tenant"),
+        submit(
+            &pool,
+            &outbox,
+            &Submission::new(&tenant("globex"), &key("k"), valid(serde_json::json!({"a": 1})), "api"),
+        )
+        .await
+        .expect("submit for another tenant"),
     );
     let ids = [first.task_id, from_webhook.task_id, for_globex.task_id];
     assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2], "three submissions: {ids:?}");
@@ -179,7 +188,7 @@ async fn a_concurrent_submission_with_the_same_key_waits_and_replays() {
     let first = created(first);
     let second = tokio::spawn({
         let (pool, outbox, acme) = (pool.clone(), outbox.clone(), acme.clone());
-        async move { submit(&pool, &outbox, &acme, &key("k"), valid(serde_json::json!({})), "api").await }
+        async move { submit(&pool, &outbox, &Submission::new(&acme, &key("k"), valid(serde_json::json!({})), "api")).await }
     });
     // The second blocks on the key until the first commits.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;

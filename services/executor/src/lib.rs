@@ -125,11 +125,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
     )?;
     app.consume("status", &[topics::STATUS], retention::StatusProjection::default())?;
-    let recorder = record::Recorder {
-        pool: app.base.database.pool.clone(),
-        outbox: app.base.outbox.clone(),
-        settings: settings.clone(),
-    };
+    let recorder = record::Recorder::new(app.base.database.pool.clone(), app.base.outbox.clone(), settings.clone());
     let calls = call::Calls {
         pool: app.base.database.pool.clone(),
         catalog: catalog.clone(),

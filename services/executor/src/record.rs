@@ -20,7 +20,9 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::ExecutorSettings;
-use crate::lease::{Lease, STILL_RUNNING, Stop, jitter};
+use crate::lease::{Lease, Stop, jitter};
+use statement::{Shape, fenced_statement};
+use writer::{FencedWrite, PhaseWriter};
 
 /// What the execution row becomes in one fenced write.
 #[derive(Debug, Clone, Copy)]
@@ -129,9 +131,16 @@ pub struct Recorder {
     pub pool: PgPool,
     pub outbox: OutboxWriter,
     pub settings: Arc<ExecutorSettings>,
+    writer: PhaseWriter,
 }
 
 impl Recorder {
+    /// A recorder whose writes go through a [`PhaseWriter`] it starts on the current runtime.
+    pub fn new(pool: PgPool, outbox: OutboxWriter, settings: Arc<ExecutorSettings>) -> Self {
+        let writer = PhaseWriter::start(pool.clone());
+        Self { pool, outbox, settings, writer }
+    }
+
     /// Writes `transition` and `events` (after the lease's unannounced ones) in one
     /// fenced transaction. A database
     /// error is tried again with backoff until the attempt budget ends, while no
@@ -174,33 +183,36 @@ impl Recorder {
         }
     }
 
-    /// One try of a fenced write: one statement that commits on its own (one round
-    /// trip instead of a transaction's four or five), unless the transition moves an
-    /// operation key, which adds [`bump_seq`] in a transaction around it. Either way
-    /// the conditional update on the fencing token guards everything written: a
-    /// fenced worker's write changes nothing.
+    /// One try of a fenced write: handed to the process's [`PhaseWriter`], which
+    /// writes it with one statement that commits on its own or together with the
+    /// writes other workers handed over meanwhile, unless the transition moves an
+    /// operation key, which adds [`bump_seq`] in a transaction of its own around
+    /// it. Either way the conditional update on the fencing token guards
+    /// everything written: a fenced worker's write changes nothing.
     async fn try_record(&self, lease: &Lease, t: &Transition<'_>, events: &[Event]) -> Result<Recorded, Stop> {
-        // Before the statement leaves: the lease it renews holds at least this long.
+        // Before the write is handed over: the lease it renews holds at least this long.
         let sent = tokio::time::Instant::now();
         let rows = (lease.unannounced.iter().chain(events))
             .map(|event| self.outbox.row(topics::ATTEMPTS, event))
             .collect::<Result<Vec<_>, _>>()?;
-        let statement = fenced_statement(t);
-        let query = self.bind_fenced(sqlx::query(&statement), lease, t).bind(rows);
-        let (cancel_requested, granted_us, seq) = match t.new_key {
-            None => fenced(query.fetch_optional(&self.pool).await?)?,
+        let write = self.fenced_write(lease, t, rows);
+        let written = match t.new_key {
+            None => self.writer.write(write).await?,
             Some(new_key) => {
                 let mut tx = self.pool.begin().await?;
+                let statement = fenced_statement(write.shape);
+                let row = writer::bind_alone(sqlx::query(&statement), &write).fetch_optional(&mut *tx).await?;
                 // Dropping the transaction rolls back: nothing below happens for a fenced worker.
-                let written = fenced(query.fetch_optional(&mut *tx).await?)?;
+                let Some(row) = row else { return Err(Stop::Fenced) };
                 if !bump_seq(&mut tx, lease, new_key).await? {
                     info!(task_id = %lease.task_id, step = new_key.step, key = new_key.key,
                         "the operation key stays: another attempt sent it (its outcome may be in doubt) or a write moved it already");
                 }
                 tx.commit().await?;
-                written
+                Some((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
             }
         };
+        let (cancel_requested, granted_us, seq) = written.ok_or(Stop::Fenced)?;
         self.outbox.committed();
         if let Some(us) = granted_us {
             lease.extend(sent, Duration::from_micros(u64::try_from(us).unwrap_or(0)));
@@ -208,33 +220,33 @@ impl Recorder {
         Ok(Recorded { cancel_requested, seq, renewed: granted_us.is_some() })
     }
 
-    /// Binds the parameters of [`fenced_statement`] but the outbox rows (`$18`).
-    fn bind_fenced<'q>(
-        &self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-        lease: &Lease,
-        t: &Transition<'q>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    /// `t` written by `lease`'s worker, with `rows`, as the writer takes it.
+    fn fenced_write(&self, lease: &Lease, t: &Transition<'_>, rows: Vec<fenceline_bus::OutboxRow>) -> FencedWrite {
         let (key, request_id) = t.call.unzip();
-        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
-        query
-            .bind(lease.grant_id.as_uuid())
-            .bind(lease.token)
-            .bind(lease.phase.as_str())
-            .bind(t.phase.as_str())
-            .bind(t.step)
-            .bind(t.status.as_str())
-            .bind(key)
-            .bind(request_id.flatten())
-            .bind(t.renew_lease)
-            .bind(lease_us)
-            .bind(lease.task_id.as_uuid())
-            .bind(lease.generation)
-            .bind(t.sequence_of)
-            .bind(t.checkpoint.map(|c| c.step))
-            .bind(t.checkpoint.map(|c| c.output))
-            .bind(t.checkpoint.map(|c| c.sha256))
-            .bind(lease.attempt)
+        FencedWrite {
+            grant_id: lease.grant_id.as_uuid(),
+            token: lease.token,
+            was: lease.phase.as_str(),
+            phase: t.phase.as_str(),
+            step: t.step.map(str::to_owned),
+            status: t.status.as_str(),
+            key: key.map(str::to_owned),
+            request_id: request_id.flatten().map(str::to_owned),
+            renew: t.renew_lease,
+            lease_us: i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000,
+            task_id: lease.task_id.as_uuid(),
+            generation: lease.generation,
+            sequence_of: t.sequence_of.map(str::to_owned),
+            checkpoint: t.checkpoint.map(|c| (c.step.to_owned(), c.output.clone(), c.sha256.to_owned())),
+            attempt: lease.attempt,
+            shape: Shape {
+                sequence: t.sequence_of.is_some(),
+                checkpoint: t.checkpoint.is_some(),
+                // A call intent names the key this generation's call of the step sends.
+                sent: t.phase == Phase::CallIntent && t.call.is_some() && t.step.is_some(),
+            },
+            rows,
+        }
     }
 
     /// Whether the execution already shows `t` written under this worker's token.
@@ -398,61 +410,7 @@ async fn bump_seq(tx: &mut PgConnection, lease: &Lease, new_key: NewKey<'_>) -> 
     Ok(bumped.rows_affected() == 1)
 }
 
-/// The fenced write of `t` as one statement: the conditional update on the fencing
-/// token and phase, then, guarded by it, the step's call `seq`, the checkpoint and
-/// the outbox rows bound to `$18` (`outbox_append`). Only the tables the transition
-/// writes are named, so a statement locks no table it does not write; each shape
-/// is one prepared statement. Returns the cancel flag, the lease granted (when
-/// renewing) and the `seq`.
-fn fenced_statement(t: &Transition<'_>) -> String {
-    let sequence = match t.sequence_of {
-        Some(_) => {
-            ", step_seq AS ( \
-             INSERT INTO call_sequences (task_id, generation, step) SELECT $11, $12, $13 FROM written \
-             ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq)"
-        }
-        None => "",
-    };
-    let checkpoint = match t.checkpoint {
-        Some(_) => {
-            ", stored_checkpoint AS ( \
-             INSERT INTO checkpoints (task_id, generation, step, output, sha256, attempt) \
-             SELECT $11, $12, $14, $15, $16, $17 FROM written ON CONFLICT DO NOTHING)"
-        }
-        None => "",
-    };
-    // A call intent names the key this generation's call of the step sends.
-    let sent = if t.phase == Phase::CallIntent && t.call.is_some() && t.step.is_some() {
-        ", sent AS ( \
-         UPDATE call_sequences SET sent_key = $7, sent_key_first_at_us = CASE \
-             WHEN call_sequences.sent_key IS NOT DISTINCT FROM $7 THEN call_sequences.sent_key_first_at_us \
-             ELSE (SELECT now_us FROM clock) END \
-         FROM written \
-         WHERE call_sequences.task_id = $11 AND call_sequences.generation = $12 AND call_sequences.step = $5)"
-    } else {
-        ""
-    };
-    let seq = if t.sequence_of.is_some() { "(SELECT seq FROM step_seq)" } else { "NULL::int" };
-    format!(
-        "WITH clock AS (SELECT now_us() AS now_us), \
-         written AS ( \
-             UPDATE executions SET phase = $4, phase_at_us = clock.now_us, \
-                 step = COALESCE($5, step), status = $6, operation_key = COALESCE($7, operation_key), \
-                 provider_request_id = CASE WHEN $4 = 'call_intent' THEN $8 ELSE COALESCE($8, provider_request_id) END, \
-                 lease_expires_at_us = CASE WHEN $9 THEN clock.now_us + $10 ELSE lease_expires_at_us END \
-             FROM clock \
-             WHERE grant_id = $1 AND fencing_token = $2 AND phase = $3 AND {STILL_RUNNING} \
-             RETURNING cancel_requested, CASE WHEN $9 THEN lease_expires_at_us - clock.now_us END AS granted_us)\
-         {sequence}{checkpoint}{sent} \
-         SELECT written.cancel_requested, written.granted_us, {seq}, outbox_append($18::outbox_entry[]) FROM written"
-    )
-}
-
-/// What [`fenced_statement`] read back; no row: another worker holds the execution.
-fn fenced(row: Option<sqlx::postgres::PgRow>) -> Result<(bool, Option<i64>, Option<i32>), Stop> {
-    let row = row.ok_or(Stop::Fenced)?;
-    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
-}
-
+mod statement;
 #[cfg(test)]
 mod tests;
+mod writer;

@@ -17,17 +17,17 @@ async fn fresh_schema() -> PgPool {
 const LEASE_MS: u64 = 15_000;
 
 fn recorder(pool: PgPool) -> Recorder {
-    Recorder {
+    Recorder::new(
         pool,
-        outbox: OutboxWriter::new("executor", "test.", 1),
-        settings: Arc::new(ExecutorSettings {
+        OutboxWriter::new("executor", "test.", 1),
+        Arc::new(ExecutorSettings {
             workers: 1,
             lease_ms: LEASE_MS,
             idle_poll_ms: 250,
             poll_ms: 250,
             task_retention_days: 30,
         }),
-    }
+    )
 }
 
 /// An execution claimed twice: its fencing token is 2, its phase `claimed`.

@@ -22,7 +22,7 @@ async fn workers() -> Workers {
     });
     let outbox = OutboxWriter::new("executor", "test.", 1);
     let catalog = Arc::new(catalog());
-    let recorder = Recorder { pool: pool.clone(), outbox: outbox.clone(), settings: settings.clone() };
+    let recorder = Recorder::new(pool.clone(), outbox.clone(), settings.clone());
     Workers {
         pool: pool.clone(),
         outbox,

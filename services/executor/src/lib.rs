@@ -1,6 +1,7 @@
 //! Executor: where money is spent. Leases with fencing tokens, recorded call phases, provider adapters and step checkpoints.
 
 mod call;
+mod claims;
 mod clock;
 pub mod grants;
 mod lease;
@@ -74,6 +75,11 @@ pub struct ExecutorSettings {
 }
 
 impl ExecutorSettings {
+    /// The lease's length in microseconds, as statements bind it.
+    pub fn lease_us(&self) -> i64 {
+        i64::try_from(self.lease_ms).unwrap_or(i64::MAX / 4) * 1_000
+    }
+
     /// The retention of finished tasks' rows.
     pub fn task_retention(&self) -> std::time::Duration {
         std::time::Duration::from_secs(u64::from(self.task_retention_days) * 86_400)
@@ -143,6 +149,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         handed,
         idle_looker: Arc::new(tokio::sync::Mutex::new(())),
         name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
+        claims: claims::ClaimWriter::start(app.base.database.pool.clone(), settings.lease_us()),
     };
     for index in 0..settings.workers {
         // Stopping claims at shutdown; an execution in flight finishes within the

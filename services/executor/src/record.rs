@@ -233,7 +233,7 @@ impl Recorder {
             key: key.map(str::to_owned),
             request_id: request_id.flatten().map(str::to_owned),
             renew: t.renew_lease,
-            lease_us: i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000,
+            lease_us: self.settings.lease_us(),
             task_id: lease.task_id.as_uuid(),
             generation: lease.generation,
             sequence_of: t.sequence_of.map(str::to_owned),

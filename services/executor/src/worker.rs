@@ -32,41 +32,11 @@ use tracing::{Instrument as _, info, warn};
 
 use crate::ExecutorSettings;
 use crate::call::{Calls, Ends, succeeded};
+use crate::claims::{CLAIM_OLDEST, ClaimRow, ClaimWriter, HandedClaim};
 use crate::grants::HandedGrant;
 use crate::lease::{Lease, Stop};
 use crate::output::checkpointed_result;
 use crate::record::{Transition, released};
-
-/// One claimed execution, as the claim returned it.
-#[derive(Debug, Clone, sqlx::FromRow)]
-struct ClaimRow {
-    grant_id: uuid::Uuid,
-    task_id: uuid::Uuid,
-    attempt: i32,
-    generation: i32,
-    kind: String,
-    input_json: String,
-    resume_after_step: Option<String>,
-    fencing_token: i64,
-    lease_expires_at_us: i64,
-    takeover: bool,
-    first_claimed_at_us: i64,
-    lease_budget_ms: i64,
-    phase: String,
-    phase_at_us: i64,
-    step: Option<String>,
-    operation_key: Option<String>,
-    provider_request_id: Option<String>,
-    cancel_requested: bool,
-    deadline_us: Option<i64>,
-    /// The database's clock when it granted the lease (micros).
-    db_now_us: i64,
-    /// The trace of the grant; the execution's span continues it.
-    traceparent: Option<String>,
-    /// The claim started the execution's step (`step`, phase `step_started`) and
-    /// read its call `seq`, this one.
-    started_seq: Option<i32>,
-}
 
 /// The outputs of the steps already checkpointed, by step name, with the
 /// generation that checkpointed each.
@@ -91,6 +61,8 @@ pub struct Workers {
     pub name: String,
     /// The calls the workers make, and the records they keep.
     pub calls: Calls,
+    /// Where the workers claim handed grants, together.
+    pub(crate) claims: ClaimWriter,
 }
 
 /// A claimed execution, ready to run.
@@ -167,11 +139,11 @@ impl Workers {
     }
 
     /// One claim: of the ready execution of grant `handed` (through the primary
-    /// key, written so that no partial index applies, as [`STILL_RUNNING`]), or,
-    /// without it, of the oldest claimable one.
+    /// key, made with the claims other workers asked for meanwhile, [`ClaimWriter`]),
+    /// or, without it, of the oldest claimable one.
     ///
-    /// A handed grant is ready, never a takeover: its claim is one statement that
-    /// commits on its own, and `AttemptClaimed` rides on the execution's first fenced
+    /// A handed grant is ready, never a takeover: its claim commits with nothing
+    /// else of the worker's, and `AttemptClaimed` rides on the execution's first fenced
     /// write ([`Lease::unannounced`]), where it comes first. A task's first attempt
     /// whose kind begins with a paid step also starts that step in the claim's
     /// statement ([`first_paid_step`]): the `step_started` write, with the step's
@@ -181,18 +153,16 @@ impl Workers {
     /// announces or reports the attempt lost, and reads the checkpoints in one
     /// transaction.
     async fn claim_next(&self, worker: &str, handed: Option<HandedGrant>) -> Result<Option<Claimed>, Stop> {
-        let lease_us = i64::try_from(self.settings.lease_ms).unwrap_or(i64::MAX / 4) * 1_000;
         if let Some(handed) = handed {
             let start = first_paid_step(&self.catalog, &handed);
             let sent = Instant::now();
-            let claimed: Option<ClaimRow> = sqlx::query_as(CLAIM_HANDED)
-                .bind(worker)
-                .bind(lease_us)
-                .bind(handed.grant_id)
-                .bind(start)
-                .bind(&handed.kind)
-                .fetch_optional(&self.pool)
-                .await?;
+            let claim = HandedClaim {
+                worker: worker.to_owned(),
+                grant_id: handed.grant_id,
+                start: start.map(str::to_owned),
+                kind: handed.kind.clone(),
+            };
+            let claimed = self.claims.claim(claim).await?;
             let Some(claim) = claimed else {
                 return Ok(None);
             };
@@ -208,7 +178,7 @@ impl Workers {
         let mut tx = self.pool.begin().await?;
         let sent = Instant::now();
         let claimed: Option<ClaimRow> =
-            sqlx::query_as(CLAIM_OLDEST).bind(worker).bind(lease_us).fetch_optional(&mut *tx).await?;
+            sqlx::query_as(CLAIM_OLDEST).bind(worker).bind(self.settings.lease_us()).fetch_optional(&mut *tx).await?;
         let Some(claim) = claimed else {
             return Ok(None);
         };
@@ -433,63 +403,6 @@ fn claimed_event(claim: &ClaimRow, worker: &str) -> Event {
         worker: worker.to_owned(),
     })
 }
-
-/// What a claim sets and returns; `$1` the worker, `$2` the lease in micros.
-macro_rules! claim_sets {
-    () => {
-        "fencing_token = e.fencing_token + 1, worker = $1, lease_expires_at_us = clock.now_us + $2, \
-         takeover = (e.status = 'running'), status = 'running', \
-         first_claimed_at_us = COALESCE(e.first_claimed_at_us, clock.now_us)"
-    };
-}
-macro_rules! claim_returns {
-    () => {
-        "e.grant_id, e.task_id, e.attempt, e.generation, e.kind, e.input_json, e.resume_after_step, \
-         e.fencing_token, e.lease_expires_at_us, e.takeover, e.first_claimed_at_us, e.lease_budget_ms, \
-         e.phase, e.phase_at_us, e.step, e.operation_key, e.provider_request_id, e.cancel_requested, \
-         e.deadline_us, clock.now_us AS db_now_us, e.traceparent"
-    };
-}
-
-/// The claim of the oldest ready execution or expired lease, which keeps the
-/// phase a lease taken over had reached.
-const CLAIM_OLDEST: &str = concat!(
-    "WITH clock AS (SELECT now_us() AS now_us), next AS ( \
-       SELECT grant_id FROM executions, clock \
-       WHERE status = 'ready' OR (status = 'running' AND lease_expires_at_us < clock.now_us) \
-       ORDER BY created_at LIMIT 1 FOR UPDATE OF executions SKIP LOCKED) \
-     UPDATE executions e SET ",
-    claim_sets!(),
-    ", phase = COALESCE(e.phase, 'claimed'), phase_at_us = COALESCE(e.phase_at_us, clock.now_us) \
-     FROM next, clock WHERE e.grant_id = next.grant_id RETURNING ",
-    claim_returns!(),
-    ", NULL::int4 AS started_seq"
-);
-
-/// The claim of handed grant `$3` while it is ready. Given the step `$4` to start
-/// and the kind `$5` it was chosen by, a first attempt of that kind is claimed
-/// straight into `step_started` and the step's call `seq` is read (made at 0 the
-/// first time), as the step's own `step_started` write would; any other is
-/// claimed at `claimed`.
-const CLAIM_HANDED: &str = concat!(
-    "WITH clock AS (SELECT now_us() AS now_us), next AS ( \
-       SELECT grant_id, ($4::text IS NOT NULL AND attempt = 1 AND generation = 0 \
-           AND resume_after_step IS NULL AND kind = $5) AS starts \
-       FROM executions WHERE grant_id = $3 AND (status = 'ready') IS TRUE FOR UPDATE SKIP LOCKED), \
-     claimed AS ( \
-       UPDATE executions e SET ",
-    claim_sets!(),
-    ", phase = CASE WHEN next.starts THEN 'step_started' ELSE COALESCE(e.phase, 'claimed') END, \
-         phase_at_us = CASE WHEN next.starts THEN clock.now_us ELSE COALESCE(e.phase_at_us, clock.now_us) END, \
-         step = CASE WHEN next.starts THEN $4 ELSE e.step END \
-       FROM next, clock WHERE e.grant_id = next.grant_id RETURNING next.starts, ",
-    claim_returns!(),
-    "), \
-     step_seq AS ( \
-       INSERT INTO call_sequences (task_id, generation, step) SELECT task_id, generation, $4 FROM claimed \
-       WHERE starts ON CONFLICT (task_id, generation, step) DO UPDATE SET seq = call_sequences.seq RETURNING seq) \
-     SELECT claimed.*, (SELECT seq FROM step_seq) AS started_seq FROM claimed"
-);
 
 /// The step a handed grant's claim starts: the kind's first step, when the grant is
 /// the task's first attempt and that step is a paid call (not an approval).

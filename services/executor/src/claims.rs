@@ -99,7 +99,9 @@ async fn claim_while_asked(pool: PgPool, lease_us: i64, mut asked: mpsc::Receive
 
 /// Makes the claims of `batch` with one statement and answers each; a grant asked
 /// for twice is claimed for the first asker only. If the statement fails, each
-/// claim is made alone, so that what failed one is answered for it alone.
+/// claim is made alone, so that what failed one is answered for it alone. A claim
+/// answered with a failure leaves its grant to the walk, once its lease expired if
+/// the failed statement did claim it.
 async fn claim_together(pool: &PgPool, lease_us: i64, batch: Vec<Asking>) {
     let mut seen = std::collections::HashSet::new();
     let (batch, twice): (Vec<Asking>, Vec<Asking>) = batch.into_iter().partition(|a| seen.insert(a.claim.grant_id));
@@ -122,9 +124,18 @@ async fn claim_together(pool: &PgPool, lease_us: i64, batch: Vec<Asking>) {
         }
         Err(error) => {
             tracing::warn!(%error, claims = batch.len(), "claims made together failed; making each alone");
+            // Without the server's answer the statement may have committed: a grant
+            // then found claimed may be this claim's, and is answered as the failure.
+            let in_doubt = !matches!(error, sqlx::Error::Database(_));
             for asking in batch {
-                let row = claimed(pool, lease_us, &[&asking.claim]).await;
-                let _ = asking.answer.send(row.map(|rows| rows.into_iter().next()).map_err(Stop::from));
+                let row = match claimed(pool, lease_us, &[&asking.claim]).await {
+                    Ok(rows) if rows.is_empty() && in_doubt => Err(Stop::Bus(fenceline_bus::Error::Database(
+                        sqlx::Error::Protocol(format!("the claims made together failed ({error})")),
+                    ))),
+                    Ok(rows) => Ok(rows.into_iter().next()),
+                    Err(error) => Err(Stop::from(error)),
+                };
+                let _ = asking.answer.send(row);
             }
         }
     }

@@ -3,7 +3,8 @@
 //! commit, each still conditional on its own fencing token and phase.
 
 use fenceline_bus::OutboxRow;
-use sqlx::{PgPool, Row as _};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection as _, PgConnection, PgPool, Row as _};
 use tokio::sync::{mpsc, oneshot};
 
 use super::statement::{Shape, fenced_statement, fenced_together_statement};
@@ -86,25 +87,71 @@ impl PhaseWriter {
 }
 
 async fn write_while_handed(pool: PgPool, mut queue: mpsc::Receiver<Waiting>) {
+    let mut conn = OwnConnection::of(&pool);
     let mut handed = Vec::with_capacity(MOST_WRITTEN_TOGETHER);
     let mut later: Vec<Waiting> = Vec::new();
     loop {
         if later.is_empty() && queue.recv_many(&mut handed, MOST_WRITTEN_TOGETHER).await == 0 {
             return;
         }
-        let room = MOST_WRITTEN_TOGETHER.saturating_sub(later.len() + handed.len());
-        if room > 0 {
-            while let Ok(waiting) = queue.try_recv() {
-                handed.push(waiting);
-                if handed.len() + later.len() >= MOST_WRITTEN_TOGETHER {
-                    break;
-                }
-            }
+        while handed.len() + later.len() < MOST_WRITTEN_TOGETHER {
+            let Ok(waiting) = queue.try_recv() else { break };
+            handed.push(waiting);
         }
         let (batch, rest) = one_per_task(later.drain(..).chain(handed.drain(..)));
         later = rest;
-        write_together(&pool, batch).await;
+        write_together(&mut conn, batch).await;
     }
+}
+
+/// How long a statement of the writer waits for a row or key lock before it fails:
+/// every worker of the process waits behind it meanwhile, and the lease renewals
+/// of the executions it holds. Its writes are then tried again by their workers.
+const LOCK_TIMEOUT: &str = "2s";
+
+/// The writer's own connection, opened with [`LOCK_TIMEOUT`] on first use and again
+/// after a failure that may have broken it.
+struct OwnConnection {
+    options: PgConnectOptions,
+    open: Option<PgConnection>,
+}
+
+impl OwnConnection {
+    fn of(pool: &PgPool) -> Self {
+        let options = pool.connect_options().as_ref().clone().options([("lock_timeout", LOCK_TIMEOUT)]);
+        Self { options, open: None }
+    }
+
+    async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if self.open.is_none() {
+            self.open = Some(PgConnection::connect_with(&self.options).await?);
+        }
+        self.open.as_mut().ok_or(sqlx::Error::PoolClosed)
+    }
+
+    /// Runs `f` on the connection; a failure the server did not answer closes it.
+    async fn with<T>(
+        &mut self,
+        f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, sqlx::Error> {
+        let result = match self.get().await {
+            Ok(conn) => f(conn).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = &result
+            && !answered_by_the_server(error)
+        {
+            self.open = None;
+        }
+        result
+    }
+}
+
+/// Whether the server answered with an error: the statement, which commits on its
+/// own, was rolled back. Any other failure (the connection lost, a timeout) leaves
+/// open whether it committed.
+fn answered_by_the_server(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_))
 }
 
 /// Splits `waiting` into a batch that names each task once, in the order handed,
@@ -117,14 +164,20 @@ fn one_per_task(waiting: impl Iterator<Item = Waiting>) -> (Vec<Waiting>, Vec<Wa
 }
 
 /// Writes `batch` with one statement and answers each. If the statement fails, each
-/// write is tried alone, so that what failed one is answered for it alone.
-async fn write_together(pool: &PgPool, batch: Vec<Waiting>) {
+/// write is tried alone, so that what failed one is answered for it alone. Where
+/// the failed statement may have committed (no answer from the server), a write
+/// that then matches nothing is answered with the failure, not "fenced": it may be
+/// the write itself, and the worker's retry settles it
+/// ([`super::Recorder::record`]).
+async fn write_together(conn: &mut OwnConnection, mut batch: Vec<Waiting>) {
     if let [_] = batch.as_slice() {
         let Some(Waiting { write, answer }) = batch.into_iter().next() else { return };
-        let _ = answer.send(write_alone(pool, &write).await);
+        let _ = answer.send(conn.with(async |conn| write_alone(conn, &write).await).await.map_err(Stop::from));
         return;
     }
-    match written_together(pool, &batch).await {
+    // Rows locked in one order by every instance's writer.
+    batch.sort_by_key(|waiting| waiting.write.grant_id);
+    match conn.with(async |conn| written_together(conn, &batch).await).await {
         Ok(written) => {
             for (waiting, written) in batch.into_iter().zip(written) {
                 let _ = waiting.answer.send(Ok(written));
@@ -132,17 +185,24 @@ async fn write_together(pool: &PgPool, batch: Vec<Waiting>) {
         }
         Err(error) => {
             tracing::warn!(%error, writes = batch.len(), "fenced writes written together failed; writing each alone");
+            let in_doubt = !answered_by_the_server(&error);
             for Waiting { write, answer } in batch {
-                let _ = answer.send(write_alone(pool, &write).await);
+                let alone = match conn.with(async |conn| write_alone(conn, &write).await).await {
+                    Ok(None) if in_doubt => Err(Stop::Bus(fenceline_bus::Error::Database(sqlx::Error::Protocol(
+                        format!("the statement written together failed ({error}) and this write no longer matches"),
+                    )))),
+                    alone => alone.map_err(Stop::from),
+                };
+                let _ = answer.send(alone);
             }
         }
     }
 }
 
 /// One write with its own statement, which commits on its own.
-pub(crate) async fn write_alone(pool: &PgPool, write: &FencedWrite) -> Result<Option<Written>, Stop> {
+pub(crate) async fn write_alone(conn: &mut PgConnection, write: &FencedWrite) -> Result<Option<Written>, sqlx::Error> {
     let statement = fenced_statement(write.shape);
-    let row = bind_alone(sqlx::query(&statement), write).fetch_optional(pool).await?;
+    let row = bind_alone(sqlx::query(&statement), write).fetch_optional(&mut *conn).await?;
     row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))).transpose()
 }
 
@@ -175,7 +235,7 @@ pub(crate) fn bind_alone<'q>(
 
 /// The writes of `batch` with one statement and one commit; for each, in order,
 /// what it read back, or `None` where its token or phase no longer matched.
-async fn written_together(pool: &PgPool, batch: &[Waiting]) -> Result<Vec<Option<Written>>, sqlx::Error> {
+async fn written_together(conn: &mut PgConnection, batch: &[Waiting]) -> Result<Vec<Option<Written>>, sqlx::Error> {
     let writes: Vec<&FencedWrite> = batch.iter().map(|waiting| &waiting.write).collect();
     let shape = writes.iter().fold(Shape::default(), |shape, write| shape.with(write.shape));
     let column = |f: &dyn Fn(&FencedWrite) -> Option<String>| writes.iter().map(|w| f(w)).collect::<Vec<_>>();
@@ -205,7 +265,7 @@ async fn written_together(pool: &PgPool, batch: &[Waiting]) -> Result<Vec<Option
         .bind(writes.iter().map(|w| w.attempt).collect::<Vec<_>>())
         .bind(rows)
         .bind(row_writes)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
     let mut answers = vec![None; writes.len()];
     for (n, cancel_requested, granted_us, seq) in read {

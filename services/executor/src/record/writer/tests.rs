@@ -18,7 +18,7 @@ use crate::record::{Checkpoint, Recorder, Transition, released};
 const LEASE_MS: u64 = 15_000;
 
 /// How many writes queue behind the held one.
-const QUEUED: usize = 20;
+const QUEUED: usize = 18;
 
 async fn fresh_schema() -> PgPool {
     fenceline_store::fresh_test_schema("executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool
@@ -68,7 +68,7 @@ async fn written_by(pool: &PgPool, lease: &Lease) -> (String, String) {
 }
 
 /// What each queued write does, by its place in the queue.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Queued {
     /// Starts the step `render`, reading its call `seq`.
     Starts,
@@ -76,12 +76,12 @@ enum Queued {
     Intends,
     /// Checkpoints `render` and finishes the attempt.
     Finishes,
-    /// Writes with a stale fencing token: nothing happens.
-    Stale,
 }
 
-fn queued(i: usize) -> Queued {
-    [Queued::Starts, Queued::Intends, Queued::Finishes, Queued::Stale][i % 4]
+/// The write at place `i`, and whether its fencing token is stale (then nothing
+/// of it happens): every shape current and stale.
+fn queued(i: usize) -> (Queued, bool) {
+    ([Queued::Starts, Queued::Intends, Queued::Finishes][i % 3], i % 6 >= 3)
 }
 
 #[tokio::test]
@@ -112,8 +112,8 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
 
     let mut leases = Vec::new();
     for i in 0..QUEUED {
-        let phase = match queued(i) {
-            Queued::Starts | Queued::Stale => Phase::Claimed,
+        let phase = match queued(i).0 {
+            Queued::Starts => Phase::Claimed,
             Queued::Intends => Phase::StepStarted,
             Queued::Finishes => Phase::ProviderAccepted,
         };
@@ -121,7 +121,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
     }
     // The intent's step was started earlier: its call sequence exists.
     for (i, lease) in leases.iter().enumerate() {
-        if matches!(queued(i), Queued::Intends) {
+        if queued(i).0 == Queued::Intends {
             crate::record::sequence(&mut pool.acquire().await.expect("connect"), lease, "render").await.expect("seq");
         }
     }
@@ -130,15 +130,13 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
         let recorder = recorder.clone();
         handed.push(tokio::spawn(async move {
             let mut lease = lease;
-            if matches!(queued(i), Queued::Stale) {
+            if queued(i).1 {
                 lease.token = 0;
             }
             let output = serde_json::json!({ "url": format!("s3://images/{i}.png") });
             let event = released(&lease, ReleaseReason::Busy);
-            let transition = match queued(i) {
-                Queued::Starts | Queued::Stale => {
-                    Transition::to(Phase::StepStarted).step("render").sequence_of("render")
-                }
+            let transition = match queued(i).0 {
+                Queued::Starts => Transition::to(Phase::StepStarted).step("render").sequence_of("render"),
                 Queued::Intends => Transition::to(Phase::CallIntent).step("render").call("key-1", None).renewing(),
                 Queued::Finishes => Transition {
                     checkpoint: Some(Checkpoint { step: "render", output: &output, sha256: "sha" }),
@@ -156,12 +154,23 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
     for (i, (write, lease)) in handed.into_iter().zip(&leases).enumerate() {
         let recorded = write.await.expect("join");
         let (xmin, phase) = written_by(&pool, lease).await;
-        match queued(i) {
-            Queued::Stale => {
-                assert!(matches!(recorded, Err(Stop::Fenced)), "a stale token writes nothing: {recorded:?}");
-                assert_eq!(phase, "claimed");
-                continue;
-            }
+        let (shape, stale) = queued(i);
+        if stale {
+            assert!(matches!(recorded, Err(Stop::Fenced)), "a stale token writes nothing: {recorded:?}");
+            assert_eq!(written_by(&pool, lease).await.1, lease.phase.as_str());
+            let (sequences, sent, checkpoints): (i64, i64, i64) = sqlx::query_as(
+                "SELECT count(*), count(sent_key), (SELECT count(*) FROM checkpoints WHERE task_id = $1) \
+                 FROM call_sequences WHERE task_id = $1",
+            )
+            .bind(lease.task_id.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .expect("read its parts");
+            let sequence_made_before = i64::from(shape == Queued::Intends);
+            assert_eq!((sequences, sent, checkpoints), (sequence_made_before, 0, 0), "{shape:?}: no part of it");
+            continue;
+        }
+        match shape {
             Queued::Starts => {
                 assert_eq!(recorded.expect("written").seq, Some(0), "the step's first call seq");
                 assert_eq!(phase, "step_started");
@@ -177,7 +186,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
         }
         together.insert(xmin);
     }
-    assert_eq!(together.len(), 1, "the {} writes that matched are one transaction: {together:?}", QUEUED / 4 * 3);
+    assert_eq!(together.len(), 1, "the {} writes that matched are one transaction: {together:?}", QUEUED / 2);
     let xmin = together.into_iter().next().expect("one");
     assert_ne!(written_by(&pool, &first).await.0, xmin, "the held write committed on its own");
 
@@ -187,7 +196,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
             .fetch_one(&pool)
             .await
             .expect("count the outbox");
-    assert_eq!((events, in_the_batch), (1 + 15, 15), "one event for each write that matched, none for the stale ones");
+    assert_eq!((events, in_the_batch), (1 + 9, 9), "one event for each write that matched, none for the stale ones");
     let (checkpoints, sent): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM checkpoints WHERE xmin::text = $1), \
          (SELECT count(*) FROM call_sequences WHERE sent_key = 'key-1' AND xmin::text = $1)",
@@ -196,7 +205,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
     .fetch_one(&pool)
     .await
     .expect("count the parts");
-    assert_eq!((checkpoints, sent), (5, 5), "each checkpoint and each intent's key, in the same transaction");
+    assert_eq!((checkpoints, sent), (3, 3), "each checkpoint and each intent's key, in the same transaction");
 }
 
 #[test]
@@ -235,9 +244,11 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
     wait_until(|| async { waits_for(&pool, holder_pid).await }).await;
 
     let mut leases = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         leases.push(running(&pool, Phase::ProviderAccepted).await);
     }
+    // The last write's token is stale.
+    leases[3].token = 0;
     let handed: Vec<_> = leases
         .iter()
         .enumerate()
@@ -247,7 +258,7 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
             tokio::spawn(async move { writer.write(write).await })
         })
         .collect();
-    wait_until(|| async { writer.waiting() == 3 }).await;
+    wait_until(|| async { writer.waiting() == 4 }).await;
     holder.commit().await.expect("let the first write go");
 
     assert!(matches!(held.await.expect("join"), Ok(Some(_))));
@@ -258,6 +269,11 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
         if i == 1 {
             assert!(matches!(written, Err(Stop::Bus(_))), "the poisoned write fails: {written:?}");
             assert_eq!(phase, "provider_accepted", "and writes nothing");
+        } else if i == 3 {
+            // The server refused the statement, so it committed nothing: alone, the
+            // stale write matches nothing, and that is "fenced".
+            assert!(matches!(written, Ok(None)), "fenced: {written:?}");
+            assert_eq!(phase, "provider_accepted");
         } else {
             assert!(matches!(written, Ok(Some(_))), "{written:?}");
             assert_eq!(phase, "result_recorded");
@@ -267,10 +283,32 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
     assert_eq!(transactions.len(), 2, "the others were written alone");
 }
 
+#[tokio::test]
+async fn a_write_that_waits_for_a_lock_past_the_timeout_fails_and_lets_the_next_writes_go() {
+    let pool = fresh_schema().await;
+    let writer = super::PhaseWriter::start(pool.clone());
+    let (stuck, free) = (running(&pool, Phase::Claimed).await, running(&pool, Phase::Claimed).await);
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM executions WHERE grant_id = $1 FOR UPDATE")
+        .bind(stuck.grant_id.as_uuid())
+        .execute(&mut *holder)
+        .await
+        .expect("hold the execution");
+
+    let started = Instant::now();
+    let waited = writer.write(write_to(&stuck, "step_started", None)).await;
+    assert!(matches!(waited, Err(Stop::Bus(_))), "{waited:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "given up after the lock timeout: {:?}", started.elapsed());
+    let next = writer.write(write_to(&free, "step_started", None)).await;
+    assert!(matches!(next, Ok(Some(_))), "the writer goes on: {next:?}");
+    holder.rollback().await.expect("let it go");
+}
+
 /// A write of `lease`'s execution to `phase`, with a checkpoint of `sha256` if given.
 fn write_to(lease: &Lease, phase: &'static str, sha256: Option<&str>) -> super::FencedWrite {
     super::FencedWrite {
         grant_id: lease.grant_id.as_uuid(),
+        token: lease.token,
         was: lease.phase.as_str(),
         phase,
         checkpoint: sha256.map(|sha| ("render".to_owned(), serde_json::json!({}), sha.to_owned())),

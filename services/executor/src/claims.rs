@@ -64,29 +64,37 @@ struct Asking {
 /// ([`CLAIM_HANDED`]), which commits on its own; alone, a claim is made at once.
 #[derive(Debug, Clone)]
 pub(crate) struct ClaimWriter {
-    queue: mpsc::Sender<Asking>,
+    /// One queue a writer; a grant's claims go to one of them.
+    lanes: std::sync::Arc<[mpsc::Sender<Asking>]>,
 }
 
 impl ClaimWriter {
-    /// Starts the writer on the current runtime; it ends when the last handle is dropped.
-    pub fn start(pool: PgPool, lease_us: i64) -> Self {
-        let (queue, asked) = mpsc::channel(4 * MOST_CLAIMED_TOGETHER);
-        tokio::spawn(claim_while_asked(pool, lease_us, asked));
-        Self { queue }
+    /// Starts `writers` writers on the current runtime (at least one); they end
+    /// when the last handle is dropped.
+    pub fn start(pool: PgPool, lease_us: i64, writers: usize) -> Self {
+        let lanes = (0..writers.max(1))
+            .map(|_| {
+                let (queue, asked) = mpsc::channel(4 * MOST_CLAIMED_TOGETHER);
+                tokio::spawn(claim_while_asked(pool.clone(), lease_us, asked));
+                queue
+            })
+            .collect();
+        Self { lanes }
     }
 
     /// Claims `claim`'s grant once the claim is committed, alone or with others.
     pub async fn claim(&self, claim: HandedClaim) -> Result<Option<ClaimRow>, Stop> {
         let (answer, answered) = oneshot::channel();
         let stopped = || Stop::Bus(fenceline_bus::Error::Database(sqlx::Error::PoolClosed));
-        self.queue.send(Asking { claim, answer }).await.map_err(|_| stopped())?;
+        let lane = &self.lanes[(claim.grant_id.as_u128() % self.lanes.len() as u128) as usize];
+        lane.send(Asking { claim, answer }).await.map_err(|_| stopped())?;
         answered.await.unwrap_or_else(|_| Err(stopped()))
     }
 
     /// How many claims wait for the writer now.
     #[cfg(test)]
     fn waiting(&self) -> usize {
-        self.queue.max_capacity() - self.queue.capacity()
+        self.lanes.iter().map(|queue| queue.max_capacity() - queue.capacity()).sum()
     }
 }
 

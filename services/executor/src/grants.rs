@@ -27,14 +27,36 @@ use tokio::time::Instant;
 #[derive(Debug)]
 pub struct Handed {
     grants: Mutex<VecDeque<HandedGrant>>,
-    /// When [`Handed::next`] last answered "oldest first" while grants were handed.
-    last_oldest_first: Mutex<Instant>,
+    walk: Mutex<Walk>,
+}
+
+/// When the oldest-first walk is taken.
+#[derive(Debug)]
+struct Walk {
+    /// When it was last taken; `None` at start.
+    last: Option<Instant>,
+    /// The last walk found an execution (to claim or to report lost): there may be
+    /// more, so a worker that finds nothing handed walks again.
+    found: bool,
 }
 
 impl Default for Handed {
     fn default() -> Self {
-        Self { grants: Mutex::default(), last_oldest_first: Mutex::new(Instant::now()) }
+        // At start, executions recorded before it may wait: walk until none is found.
+        Self { grants: Mutex::default(), walk: Mutex::new(Walk { last: None, found: true }) }
     }
+}
+
+/// What a worker looking for work does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Claims this grant by its id.
+    Claim(HandedGrant),
+    /// Claims the oldest claimable execution: a grant recorded by another instance
+    /// or before a restart, or a lease that expired.
+    Walk,
+    /// Waits to be woken: nothing is handed and the walk is not due.
+    Rest,
 }
 
 /// A grant handed to the workers: its id, and what its claim needs to start the
@@ -59,17 +81,32 @@ impl HandedGrant {
 }
 
 impl Handed {
-    /// The next grant to claim by id; `None` when none is handed, and once per
-    /// `oldest_first_every` while grants are, so that an expired lease or another
-    /// instance's grant waits no longer for the oldest-first claim than when idle.
-    pub fn next(&self, oldest_first_every: Duration) -> Option<HandedGrant> {
-        let mut last = self.last_oldest_first.lock().unwrap_or_else(PoisonError::into_inner);
-        if last.elapsed() >= oldest_first_every {
-            *last = Instant::now();
-            return None;
+    /// The oldest-first walk when it is due (once per `walk_every`, whether or not
+    /// grants are handed, so that an expired lease or another instance's grant
+    /// waits no longer than on an idle executor), else the next grant handed, else
+    /// the walk again if the last one found an execution, else rest: a worker that
+    /// finds nothing handed does not walk only to find nothing.
+    pub fn next(&self, walk_every: Duration) -> Next {
+        let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
+        if walk.last.is_none_or(|last| last.elapsed() >= walk_every) {
+            *walk = Walk { last: Some(Instant::now()), found: false };
+            return Next::Walk;
         }
-        drop(last);
-        self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
+        if let Some(grant) = self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front() {
+            return Next::Claim(grant);
+        }
+        if walk.found {
+            *walk = Walk { last: Some(Instant::now()), found: false };
+            return Next::Walk;
+        }
+        Next::Rest
+    }
+
+    /// The walk found an execution to claim or to report lost: a worker with
+    /// nothing handed walks again, so that the executions a stopped instance left
+    /// are taken over one after another, not one per interval.
+    pub fn walk_found(&self) {
+        self.walk.lock().unwrap_or_else(PoisonError::into_inner).found = true;
     }
 
     fn extend(&self, grants: Vec<HandedGrant>) {

@@ -149,7 +149,11 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         handed,
         idle_looker: Arc::new(tokio::sync::Mutex::new(())),
         name: format!("{}:{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()), std::process::id()),
-        claims: claims::ClaimWriter::start(app.base.database.pool.clone(), settings.lease_us()),
+        claims: claims::ClaimWriter::start(
+            app.base.database.pool.clone(),
+            settings.lease_us(),
+            settings.workers.div_ceil(record::WORKERS_A_WRITER),
+        ),
     };
     for index in 0..settings.workers {
         // Stopping claims at shutdown; an execution in flight finishes within the

@@ -131,14 +131,28 @@ pub struct Recorder {
     pub pool: PgPool,
     pub outbox: OutboxWriter,
     pub settings: Arc<ExecutorSettings>,
-    writer: PhaseWriter,
+    writers: Arc<[PhaseWriter]>,
 }
 
+/// How many workers share a [`PhaseWriter`] (and a claims writer): enough writers
+/// that a write seldom waits behind a statement in flight at a light load, few
+/// enough that writes are written together under a heavy one.
+pub(crate) const WORKERS_A_WRITER: usize = 2;
+
 impl Recorder {
-    /// A recorder whose writes go through a [`PhaseWriter`] it starts on the current runtime.
+    /// A recorder whose writes go through the [`PhaseWriter`]s it starts on the
+    /// current runtime, one for every [`WORKERS_A_WRITER`] workers: a write waits
+    /// only for the statement in flight in its own writer, and an execution's
+    /// writes all go through one writer.
     pub fn new(pool: PgPool, outbox: OutboxWriter, settings: Arc<ExecutorSettings>) -> Self {
-        let writer = PhaseWriter::start(pool.clone());
-        Self { pool, outbox, settings, writer }
+        let writers =
+            (0..settings.workers.div_ceil(WORKERS_A_WRITER)).map(|_| PhaseWriter::start(pool.clone())).collect();
+        Self { pool, outbox, settings, writers }
+    }
+
+    /// The writer of `lease`'s execution.
+    fn writer(&self, lease: &Lease) -> &PhaseWriter {
+        &self.writers[(lease.task_id.as_uuid().as_u128() % self.writers.len() as u128) as usize]
     }
 
     /// Writes `transition` and `events` (after the lease's unannounced ones) in one
@@ -197,7 +211,7 @@ impl Recorder {
             .collect::<Result<Vec<_>, _>>()?;
         let write = self.fenced_write(lease, t, rows);
         let written = match t.new_key {
-            None => self.writer.write(write).await?,
+            None => self.writer(lease).write(write).await?,
             Some(new_key) => {
                 let mut tx = self.pool.begin().await?;
                 let statement = fenced_statement(write.shape);

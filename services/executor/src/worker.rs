@@ -33,7 +33,7 @@ use tracing::{Instrument as _, info, warn};
 use crate::ExecutorSettings;
 use crate::call::{Calls, Ends, succeeded};
 use crate::claims::{CLAIM_OLDEST, ClaimRow, ClaimWriter, HandedClaim};
-use crate::grants::HandedGrant;
+use crate::grants::{HandedGrant, Next};
 use crate::lease::{Lease, Stop};
 use crate::output::checkpointed_result;
 use crate::record::{Transition, released};
@@ -119,21 +119,24 @@ impl Workers {
         }
     }
 
-    /// Claims a grant this process recorded, by its id, or else the oldest ready
-    /// execution or one whose lease expired (also once per `idle_poll_ms` while
-    /// grants are handed), with a larger fencing token. A takeover after
+    /// Claims a grant this process recorded, by its id, or the oldest ready
+    /// execution or one whose lease expired when that walk is due ([`Next`]: once
+    /// per `idle_poll_ms` in the process, and when nothing is handed after a walk
+    /// that found one), with a larger fencing token; `None` when neither is there. A takeover after
     /// `call_intent` is reported lost here. Expiry is judged by the database's clock
     /// in the same statement; the instant returned with the claim is when the
     /// statement was sent (monotonic), and with it the steps already checkpointed,
     /// read in the claim's transaction.
     async fn claim(&self, worker: &str) -> Result<Option<Claimed>, Stop> {
         loop {
-            let handed = self.handed.next(Duration::from_millis(self.settings.idle_poll_ms));
-            let was_handed = handed.is_some();
-            let claimed = self.claim_next(worker, handed).await?;
+            let handed = match self.handed.next(Duration::from_millis(self.settings.idle_poll_ms)) {
+                Next::Claim(grant) => grant,
+                Next::Walk => return self.claim_next(worker, None).await,
+                Next::Rest => return Ok(None),
+            };
             // A handed grant someone else claimed first: the next one.
-            if claimed.is_some() || !was_handed {
-                return Ok(claimed);
+            if let Some(claimed) = self.claim_next(worker, Some(handed)).await? {
+                return Ok(Some(claimed));
             }
         }
     }
@@ -182,6 +185,7 @@ impl Workers {
         let Some(claim) = claimed else {
             return Ok(None);
         };
+        self.handed.walk_found();
         let span = execution_span(&claim);
         let claimed = self.claimed(tx, claim, worker).instrument(span.clone()).await?;
         Ok(claimed.map(|(claim, done)| Claimed { claim, sent, done, announce: None, span }))

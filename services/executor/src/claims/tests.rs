@@ -49,7 +49,7 @@ async fn claimed_by(pool: &PgPool, grant_id: uuid::Uuid) -> (String, Option<Stri
 #[tokio::test]
 async fn claims_asked_for_while_a_statement_runs_are_made_together_each_for_its_own_worker() {
     let pool = fresh_schema().await;
-    let claims = ClaimWriter::start(pool.clone(), LEASE_US);
+    let claims = ClaimWriter::start(pool.clone(), LEASE_US, 1);
 
     // The first claim waits on its step's call sequence, which this test holds.
     let (first, first_task) = execution(&pool, "ready").await;

@@ -65,7 +65,14 @@ async fn batch(pool: &PgPool, recorder: &GrantRecorder, events: Vec<Event>) {
 
 /// Every grant handed to the workers, in order.
 fn handed(recorder: &GrantRecorder) -> Vec<uuid::Uuid> {
-    std::iter::from_fn(|| recorder.handed.next(Duration::from_secs(3_600))).map(|h| h.grant_id).collect()
+    let mut grants = Vec::new();
+    loop {
+        match recorder.handed.next(Duration::from_secs(3_600)) {
+            crate::grants::Next::Claim(grant) => grants.push(grant.grant_id),
+            crate::grants::Next::Walk => {}
+            crate::grants::Next::Rest => return grants,
+        }
+    }
 }
 
 /// (input, cancel requested) of each execution, by grant id.
@@ -112,4 +119,23 @@ async fn a_cancellation_marks_its_own_execution_only() {
     let mut expected = vec![(cancelled.as_uuid(), true), (kept.as_uuid(), false), (at_once.as_uuid(), true)];
     expected.sort();
     assert_eq!(marked, expected);
+}
+
+#[test]
+fn the_walk_is_taken_once_an_interval_and_again_when_nothing_is_handed_after_it_found_one() {
+    let handed = Handed::default();
+    let every = Duration::from_secs(3_600);
+    let grant =
+        |n: u128| HandedGrant { grant_id: uuid::Uuid::from_u128(n), kind: "k".into(), from_the_first_step: true };
+    assert_eq!(handed.next(every), Next::Walk, "at start: grants from before it may be waiting");
+    assert_eq!(handed.next(every), Next::Rest, "it found nothing, nothing is handed: rest");
+    handed.extend(vec![grant(1), grant(2)]);
+    handed.walk_found();
+    assert_eq!(handed.next(every), Next::Claim(grant(1)), "handed grants come before a walk that is not due");
+    assert_eq!(handed.next(every), Next::Claim(grant(2)));
+    assert_eq!(handed.next(every), Next::Walk, "nothing handed, and the last walk found one: there may be more");
+    assert_eq!(handed.next(every), Next::Rest, "that walk found nothing");
+    handed.extend(vec![grant(3)]);
+    assert_eq!(handed.next(Duration::ZERO), Next::Walk, "due once the interval passed, grants handed or not");
+    assert_eq!(handed.next(every), Next::Claim(grant(3)));
 }

@@ -32,7 +32,7 @@ async fn workers() -> Workers {
         handed: Arc::default(),
         idle_looker: Arc::default(),
         name: "test".into(),
-        claims: crate::claims::ClaimWriter::start(pool.clone(), settings.lease_us()),
+        claims: crate::claims::ClaimWriter::start(pool.clone(), settings.lease_us(), 1),
         calls: Calls { pool, catalog, providers: Arc::default(), settings, recorder },
     }
 }

@@ -146,7 +146,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
             recorder.record(&mut lease, transition, &[event]).await
         }));
     }
-    wait_until(|| async { recorder.writer.waiting() == QUEUED }).await;
+    wait_until(|| async { recorder.writers[0].waiting() == QUEUED }).await;
     holder.commit().await.expect("let the first write go");
 
     let first = held.await.expect("join").expect("the held write commits");

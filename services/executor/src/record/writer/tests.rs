@@ -91,12 +91,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
 
     // The first write waits on a row this test holds; the others queue behind it.
     let mut first = running(&pool, Phase::Claimed).await;
-    let mut holder = pool.begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM executions WHERE grant_id = $1 FOR UPDATE")
-        .bind(first.grant_id.as_uuid())
-        .execute(&mut *holder)
-        .await
-        .expect("hold the first execution");
+    let (holder, holder_pid) = hold(&pool, &first).await;
     let held = {
         let recorder = recorder.clone();
         let event = released(&first, ReleaseReason::Busy);
@@ -107,7 +102,6 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
                 .map(|_| first)
         })
     };
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("pid");
     wait_until(|| async { waits_for(&pool, holder_pid).await }).await;
 
     let mut leases = Vec::new();
@@ -229,13 +223,7 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
         .expect("poison one checkpoint");
     let writer = super::PhaseWriter::start(pool.clone());
     let first = running(&pool, Phase::Claimed).await;
-    let mut holder = pool.begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM executions WHERE grant_id = $1 FOR UPDATE")
-        .bind(first.grant_id.as_uuid())
-        .execute(&mut *holder)
-        .await
-        .expect("hold the first execution");
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("pid");
+    let (holder, holder_pid) = hold(&pool, &first).await;
     let held = tokio::spawn({
         let writer = writer.clone();
         let write = write_to(&first, "step_started", None);
@@ -288,12 +276,7 @@ async fn a_write_that_waits_for_a_lock_past_the_timeout_fails_and_lets_the_next_
     let pool = fresh_schema().await;
     let writer = super::PhaseWriter::start(pool.clone());
     let (stuck, free) = (running(&pool, Phase::Claimed).await, running(&pool, Phase::Claimed).await);
-    let mut holder = pool.begin().await.expect("begin");
-    sqlx::query("SELECT 1 FROM executions WHERE grant_id = $1 FOR UPDATE")
-        .bind(stuck.grant_id.as_uuid())
-        .execute(&mut *holder)
-        .await
-        .expect("hold the execution");
+    let (holder, _) = hold(&pool, &stuck).await;
 
     let started = Instant::now();
     let waited = writer.write(write_to(&stuck, "step_started", None)).await;
@@ -337,6 +320,18 @@ fn write_of(task_id: uuid::Uuid) -> super::FencedWrite {
         shape: super::Shape::default(),
         rows: Vec::new(),
     }
+}
+
+/// A transaction holding `lease`'s execution row, and its backend's pid.
+async fn hold(pool: &PgPool, lease: &Lease) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM executions WHERE grant_id = $1 FOR UPDATE")
+        .bind(lease.grant_id.as_uuid())
+        .execute(&mut *holder)
+        .await
+        .expect("hold the execution");
+    let pid = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("pid");
+    (holder, pid)
 }
 
 /// Whether a statement waits for a lock the backend `holder` holds.

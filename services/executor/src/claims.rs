@@ -5,7 +5,7 @@
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::lease::Stop;
+use crate::lease::{Stop, answered_by_the_server};
 
 /// At most this many claims in one statement.
 const MOST_CLAIMED_TOGETHER: usize = 64;
@@ -85,10 +85,9 @@ impl ClaimWriter {
     /// Claims `claim`'s grant once the claim is committed, alone or with others.
     pub async fn claim(&self, claim: HandedClaim) -> Result<Option<ClaimRow>, Stop> {
         let (answer, answered) = oneshot::channel();
-        let stopped = || Stop::Bus(fenceline_bus::Error::Database(sqlx::Error::PoolClosed));
         let lane = &self.lanes[(claim.grant_id.as_u128() % self.lanes.len() as u128) as usize];
-        lane.send(Asking { claim, answer }).await.map_err(|_| stopped())?;
-        answered.await.unwrap_or_else(|_| Err(stopped()))
+        lane.send(Asking { claim, answer }).await.map_err(|_| Stop::writer_stopped())?;
+        answered.await.unwrap_or_else(|_| Err(Stop::writer_stopped()))
     }
 
     /// How many claims wait for the writer now.
@@ -134,12 +133,10 @@ async fn claim_together(pool: &PgPool, lease_us: i64, batch: Vec<Asking>) {
             tracing::warn!(%error, claims = batch.len(), "claims made together failed; making each alone");
             // Without the server's answer the statement may have committed: a grant
             // then found claimed may be this claim's, and is answered as the failure.
-            let in_doubt = !matches!(error, sqlx::Error::Database(_));
+            let in_doubt = !answered_by_the_server(&error);
             for asking in batch {
                 let row = match claimed(pool, lease_us, &[&asking.claim]).await {
-                    Ok(rows) if rows.is_empty() && in_doubt => Err(Stop::Bus(fenceline_bus::Error::Database(
-                        sqlx::Error::Protocol(format!("the claims made together failed ({error})")),
-                    ))),
+                    Ok(rows) if rows.is_empty() && in_doubt => Err(Stop::in_doubt(&error)),
                     Ok(rows) => Ok(rows.into_iter().next()),
                     Err(error) => Err(Stop::from(error)),
                 };

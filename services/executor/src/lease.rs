@@ -31,6 +31,28 @@ impl From<sqlx::Error> for Stop {
     }
 }
 
+impl Stop {
+    /// A writer of the process that stopped (the process is stopping): answered
+    /// as a closed pool would be, and the worker's retries decide.
+    pub(crate) fn writer_stopped() -> Self {
+        sqlx::Error::PoolClosed.into()
+    }
+
+    /// A write made with others whose statement failed without the server's
+    /// answer: it may have committed, so what the write finds alone afterwards is
+    /// no proof that another worker holds the execution.
+    pub(crate) fn in_doubt(error: &sqlx::Error) -> Self {
+        sqlx::Error::Protocol(format!("the statement written together failed ({error}); it may have committed")).into()
+    }
+}
+
+/// Whether the server answered `error`: a statement that commits on its own was
+/// then rolled back. Any other failure (the connection lost, a timeout) leaves open
+/// whether it committed.
+pub(crate) fn answered_by_the_server(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_))
+}
+
 impl From<fenceline_bus::faults::Injected> for Stop {
     fn from(e: fenceline_bus::faults::Injected) -> Self {
         Stop::Bus(fenceline_bus::Error::Injected(e))

@@ -8,6 +8,8 @@ mod lease;
 mod output;
 mod record;
 pub mod retention;
+#[cfg(test)]
+mod waiting;
 pub mod worker;
 
 use std::sync::Arc;

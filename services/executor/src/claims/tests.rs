@@ -3,10 +3,7 @@
 //! for its own worker, a grant asked for twice is claimed once, and one that is
 //! not ready is not claimed.
 
-use std::time::Duration;
-
 use sqlx::PgPool;
-use tokio::time::Instant;
 
 use super::{ClaimWriter, HandedClaim};
 
@@ -69,14 +66,7 @@ async fn claims_asked_for_while_a_statement_runs_are_made_together_each_for_its_
         let claims = claims.clone();
         async move { claims.claim(asked("w-first", first)).await }
     });
-    wait_until(|| async {
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid)))")
-            .bind(holder_pid)
-            .fetch_one(&pool)
-            .await
-            .expect("read the activity")
-    })
-    .await;
+    crate::waiting::until(|| crate::waiting::blocked_by(&pool, holder_pid)).await;
 
     let mut ready = Vec::new();
     for _ in 0..8 {
@@ -94,7 +84,7 @@ async fn claims_asked_for_while_a_statement_runs_are_made_together_each_for_its_
             tokio::spawn(async move { claims.claim(claim).await })
         })
         .collect();
-    wait_until(|| async { claims.waiting() == ready.len() + 2 }).await;
+    crate::waiting::until(|| async { claims.waiting() == ready.len() + 2 }).await;
     holder.commit().await.expect("let the first claim go");
 
     let first_row = held.await.expect("join").expect("claim").expect("the first grant is claimed");
@@ -119,12 +109,4 @@ async fn claims_asked_for_while_a_statement_runs_are_made_together_each_for_its_
     }
     assert_eq!(together.len(), 1, "the claims asked for meanwhile are one transaction: {together:?}");
     assert_ne!(claimed_by(&pool, first).await.0, together.into_iter().next().expect("one"));
-}
-
-async fn wait_until<F: std::future::Future<Output = bool>>(mut done: impl FnMut() -> F) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while !done().await {
-        assert!(Instant::now() < until, "gave up waiting");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }

@@ -8,7 +8,7 @@ use sqlx::{Connection as _, PgConnection, PgPool, Row as _};
 use tokio::sync::{mpsc, oneshot};
 
 use super::statement::{Shape, fenced_statement, fenced_together_statement};
-use crate::lease::Stop;
+use crate::lease::{Stop, answered_by_the_server};
 
 /// At most this many writes in one statement.
 const MOST_WRITTEN_TOGETHER: usize = 64;
@@ -74,9 +74,8 @@ impl PhaseWriter {
     /// stopping) answers as a closed pool would: the worker's retries decide.
     pub async fn write(&self, write: FencedWrite) -> Result<Option<Written>, Stop> {
         let (answer, answered) = oneshot::channel();
-        let stopped = || Stop::Bus(fenceline_bus::Error::Database(sqlx::Error::PoolClosed));
-        self.queue.send(Waiting { write, answer }).await.map_err(|_| stopped())?;
-        answered.await.unwrap_or_else(|_| Err(stopped()))
+        self.queue.send(Waiting { write, answer }).await.map_err(|_| Stop::writer_stopped())?;
+        answered.await.unwrap_or_else(|_| Err(Stop::writer_stopped()))
     }
 
     /// How many writes wait for the writer now.
@@ -147,13 +146,6 @@ impl OwnConnection {
     }
 }
 
-/// Whether the server answered with an error: the statement, which commits on its
-/// own, was rolled back. Any other failure (the connection lost, a timeout) leaves
-/// open whether it committed.
-fn answered_by_the_server(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(_))
-}
-
 /// Splits `waiting` into a batch that names each task once, in the order handed,
 /// and what is left for the next one: a statement's parts never see each other's
 /// writes, so two writes of one task (two grants, one of them stale) go one after
@@ -188,9 +180,7 @@ async fn write_together(conn: &mut OwnConnection, mut batch: Vec<Waiting>) {
             let in_doubt = !answered_by_the_server(&error);
             for Waiting { write, answer } in batch {
                 let alone = match conn.with(async |conn| write_alone(conn, &write).await).await {
-                    Ok(None) if in_doubt => Err(Stop::Bus(fenceline_bus::Error::Database(sqlx::Error::Protocol(
-                        format!("the statement written together failed ({error}) and this write no longer matches"),
-                    )))),
+                    Ok(None) if in_doubt => Err(Stop::in_doubt(&error)),
                     alone => alone.map_err(Stop::from),
                 };
                 let _ = answer.send(alone);

@@ -102,7 +102,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
                 .map(|_| first)
         })
     };
-    wait_until(|| async { waits_for(&pool, holder_pid).await }).await;
+    crate::waiting::until(|| async { crate::waiting::blocked_by(&pool, holder_pid).await }).await;
 
     let mut leases = Vec::new();
     for i in 0..QUEUED {
@@ -140,7 +140,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
             recorder.record(&mut lease, transition, &[event]).await
         }));
     }
-    wait_until(|| async { recorder.writers[0].waiting() == QUEUED }).await;
+    crate::waiting::until(|| async { recorder.writers[0].waiting() == QUEUED }).await;
     holder.commit().await.expect("let the first write go");
 
     let first = held.await.expect("join").expect("the held write commits");
@@ -229,7 +229,7 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
         let write = write_to(&first, "step_started", None);
         async move { writer.write(write).await }
     });
-    wait_until(|| async { waits_for(&pool, holder_pid).await }).await;
+    crate::waiting::until(|| async { crate::waiting::blocked_by(&pool, holder_pid).await }).await;
 
     let mut leases = Vec::new();
     for _ in 0..4 {
@@ -246,7 +246,7 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
             tokio::spawn(async move { writer.write(write).await })
         })
         .collect();
-    wait_until(|| async { writer.waiting() == 4 }).await;
+    crate::waiting::until(|| async { writer.waiting() == 4 }).await;
     holder.commit().await.expect("let the first write go");
 
     assert!(matches!(held.await.expect("join"), Ok(Some(_))));
@@ -332,21 +332,4 @@ async fn hold(pool: &PgPool, lease: &Lease) -> (sqlx::Transaction<'static, sqlx:
         .expect("hold the execution");
     let pid = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *holder).await.expect("pid");
     (holder, pid)
-}
-
-/// Whether a statement waits for a lock the backend `holder` holds.
-async fn waits_for(pool: &PgPool, holder: i32) -> bool {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid)))")
-        .bind(holder)
-        .fetch_one(pool)
-        .await
-        .expect("read the activity")
-}
-
-async fn wait_until<F: std::future::Future<Output = bool>>(mut done: impl FnMut() -> F) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while !done().await {
-        assert!(Instant::now() < until, "gave up waiting");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }

@@ -38,14 +38,18 @@ pub async fn changed(tx: &mut PgConnection, task_id: TaskId, tenant: Option<&str
     mark(tx, &[task_id.as_uuid()], &[tenant.map(str::to_owned)]).await
 }
 
-/// Marks `ids` changed (each with its tenant, if known), in task order.
+/// Marks `ids` changed (each with its tenant, if known), in task order. A tenant
+/// not given is looked up by the task's key, and only then: a join would read
+/// `task_view` and `tasks` whole wherever the planner judges a batch large
+/// beside them.
 async fn mark(tx: &mut PgConnection, ids: &[uuid::Uuid], tenants: &[Option<String>]) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
         "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS g (task_id, tenant)), \
-         owner AS ( \
-           SELECT g.task_id, coalesce(g.tenant, v.tenant, t.tenant) AS tenant FROM given g \
-           LEFT JOIN task_view v ON v.task_id = g.task_id LEFT JOIN tasks t ON t.task_id = g.task_id \
-           WHERE coalesce(g.tenant, v.tenant, t.tenant) IS NOT NULL), \
+         found AS ( \
+           SELECT g.task_id, coalesce(g.tenant, \
+             (SELECT v.tenant FROM task_view v WHERE v.task_id = g.task_id), \
+             (SELECT t.tenant FROM tasks t WHERE t.task_id = g.task_id)) AS tenant FROM given g), \
+         owner AS (SELECT task_id, tenant FROM found WHERE tenant IS NOT NULL), \
          {marked} SELECT count(*) FROM marked",
         marked = marked_from("owner"),
     ))
@@ -317,12 +321,4 @@ async fn replay(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_frame_is_one_server_sent_event() {
-        assert_eq!(frame("task", Some(42), r#"{"a":1}"#), Bytes::from("id: 42\nevent: task\ndata: {\"a\":1}\n\n"));
-        assert_eq!(frame("reset", None, "{}"), Bytes::from("event: reset\ndata: {}\n\n"));
-    }
-}
+mod tests;

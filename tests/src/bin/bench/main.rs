@@ -126,6 +126,10 @@ async fn main() {
         "settings": settings.json(),
         "started_at_unix_s": load::unix_us() / 1_000_000,
     });
+    if wanted.iter().any(|s| s != "peer") {
+        println!("\n== broker warm-up (load average {})", load_average());
+        scenarios::warm_the_broker(&settings).await;
+    }
     for scenario in &wanted {
         let begun = std::time::Instant::now();
         println!("\n== {scenario} (load average {})", load_average());

@@ -85,7 +85,7 @@ impl ClaimWriter {
     /// Claims `claim`'s grant once the claim is committed, alone or with others.
     pub async fn claim(&self, claim: HandedClaim) -> Result<Option<ClaimRow>, Stop> {
         let (answer, answered) = oneshot::channel();
-        let lane = &self.lanes[(claim.grant_id.as_u128() % self.lanes.len() as u128) as usize];
+        let lane = crate::record::lane_of(&self.lanes, claim.grant_id);
         lane.send(Asking { claim, answer }).await.map_err(|_| Stop::writer_stopped())?;
         answered.await.unwrap_or_else(|_| Err(Stop::writer_stopped()))
     }

@@ -88,14 +88,11 @@ impl Handed {
     /// finds nothing handed does not walk only to find nothing.
     pub fn next(&self, walk_every: Duration) -> Next {
         let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
-        if walk.last.is_none_or(|last| last.elapsed() >= walk_every) {
-            *walk = Walk { last: Some(Instant::now()), found: false };
-            return Next::Walk;
-        }
-        if let Some(grant) = self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front() {
+        let due = walk.last.is_none_or(|last| last.elapsed() >= walk_every);
+        if !due && let Some(grant) = self.grants.lock().unwrap_or_else(PoisonError::into_inner).pop_front() {
             return Next::Claim(grant);
         }
-        if walk.found {
+        if due || walk.found {
             *walk = Walk { last: Some(Instant::now()), found: false };
             return Next::Walk;
         }

@@ -154,7 +154,7 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
         claims: claims::ClaimWriter::start(
             app.base.database.pool.clone(),
             settings.lease_us(),
-            settings.workers.div_ceil(record::WORKERS_A_WRITER),
+            record::writers_for(settings.workers),
         ),
     };
     for index in 0..settings.workers {

@@ -137,7 +137,17 @@ pub struct Recorder {
 /// How many workers share a [`PhaseWriter`] (and a claims writer): enough writers
 /// that a write seldom waits behind a statement in flight at a light load, few
 /// enough that writes are written together under a heavy one.
-pub(crate) const WORKERS_A_WRITER: usize = 2;
+const WORKERS_A_WRITER: usize = 2;
+
+/// How many writers (of phases, and of claims) `workers` workers share.
+pub(crate) fn writers_for(workers: usize) -> usize {
+    workers.div_ceil(WORKERS_A_WRITER).max(1)
+}
+
+/// The writer of `lanes` that every write keyed by `key` goes to.
+pub(crate) fn lane_of<T>(lanes: &[T], key: uuid::Uuid) -> &T {
+    &lanes[(key.as_u128() % lanes.len() as u128) as usize]
+}
 
 impl Recorder {
     /// A recorder whose writes go through the [`PhaseWriter`]s it starts on the
@@ -145,14 +155,13 @@ impl Recorder {
     /// only for the statement in flight in its own writer, and an execution's
     /// writes all go through one writer.
     pub fn new(pool: PgPool, outbox: OutboxWriter, settings: Arc<ExecutorSettings>) -> Self {
-        let writers =
-            (0..settings.workers.div_ceil(WORKERS_A_WRITER)).map(|_| PhaseWriter::start(pool.clone())).collect();
+        let writers = (0..writers_for(settings.workers)).map(|_| PhaseWriter::start(pool.clone())).collect();
         Self { pool, outbox, settings, writers }
     }
 
     /// The writer of `lease`'s execution.
     fn writer(&self, lease: &Lease) -> &PhaseWriter {
-        &self.writers[(lease.task_id.as_uuid().as_u128() % self.writers.len() as u128) as usize]
+        lane_of(&self.writers, lease.task_id.as_uuid())
     }
 
     /// Writes `transition` and `events` (after the lease's unannounced ones) in one

@@ -122,10 +122,11 @@ impl OwnConnection {
     }
 
     async fn get(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
-        if self.open.is_none() {
-            self.open = Some(PgConnection::connect_with(&self.options).await?);
-        }
-        self.open.as_mut().ok_or(sqlx::Error::PoolClosed)
+        let conn = match self.open.take() {
+            Some(conn) => conn,
+            None => PgConnection::connect_with(&self.options).await?,
+        };
+        Ok(self.open.insert(conn))
     }
 
     /// Runs `f` on the connection; a failure the server did not answer closes it.

@@ -60,7 +60,7 @@ async fn a_batch_marks_each_task_with_its_tenant_and_reads_no_table_whole() {
     .fetch_one(&mut *tx)
     .await
     .expect("the transaction's scans");
-    let written: Vec<(uuid::Uuid, String)> =
+    let mut written: Vec<(uuid::Uuid, String)> =
         sqlx::query_as("SELECT task_id, tenant FROM task_changes WHERE changed_by = pg_current_xact_id()")
             .fetch_all(&mut *tx)
             .await
@@ -70,7 +70,6 @@ async fn a_batch_marks_each_task_with_its_tenant_and_reads_no_table_whole() {
     assert_eq!(read_whole, 0, "rows of tasks and task_view read by sequential scans");
     let mut expected: Vec<(uuid::Uuid, String)> = marked.iter().map(|&i| (ids[i], tenant_of(i).to_owned())).collect();
     expected.sort();
-    let mut written = written;
     written.sort();
     assert_eq!(written, expected, "each known task marked once, with its own tenant; the stranger not at all");
 }

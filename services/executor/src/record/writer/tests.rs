@@ -102,7 +102,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
                 .map(|_| first)
         })
     };
-    crate::waiting::until(|| async { crate::waiting::blocked_by(&pool, holder_pid).await }).await;
+    crate::waiting::until(|| crate::waiting::blocked_by(&pool, holder_pid)).await;
 
     let mut leases = Vec::new();
     for i in 0..QUEUED {
@@ -151,7 +151,7 @@ async fn writes_handed_over_while_a_statement_runs_commit_together_each_fenced_b
         let (shape, stale) = queued(i);
         if stale {
             assert!(matches!(recorded, Err(Stop::Fenced)), "a stale token writes nothing: {recorded:?}");
-            assert_eq!(written_by(&pool, lease).await.1, lease.phase.as_str());
+            assert_eq!(phase, lease.phase.as_str());
             let (sequences, sent, checkpoints): (i64, i64, i64) = sqlx::query_as(
                 "SELECT count(*), count(sent_key), (SELECT count(*) FROM checkpoints WHERE task_id = $1) \
                  FROM call_sequences WHERE task_id = $1",
@@ -229,7 +229,7 @@ async fn a_statement_that_fails_is_tried_write_by_write_and_fails_only_its_own()
         let write = write_to(&first, "step_started", None);
         async move { writer.write(write).await }
     });
-    crate::waiting::until(|| async { crate::waiting::blocked_by(&pool, holder_pid).await }).await;
+    crate::waiting::until(|| crate::waiting::blocked_by(&pool, holder_pid)).await;
 
     let mut leases = Vec::new();
     for _ in 0..4 {

@@ -368,7 +368,7 @@ async fn a_purged_task_gets_a_tombstone_on_the_status_topic_that_every_consumer_
 
     let consumers = [
         status_consumer(&executor, &prefix, fenceline_executor::retention::StatusProjection::default(), &shutdown),
-        status_consumer(&intake, &prefix, fenceline_intake::tasks::StatusProjection::default(), &shutdown),
+        status_consumer(&intake, &prefix, fenceline_intake::tasks::Projections::default(), &shutdown),
     ];
     for consumer in &consumers {
         let stats = consumer.stats();

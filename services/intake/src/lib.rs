@@ -207,9 +207,12 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let following = app.base.shutdown.child_token();
     app.base.spawn(live::follow(pool.clone(), changes, following));
 
-    app.consume("status", &[fenceline_events::topics::STATUS], tasks::StatusProjection::default())?;
-    app.consume("cases", &[fenceline_events::topics::RECOVERY], tasks::CaseProjection::default())?;
-    app.consume("attempts", &[fenceline_events::topics::ATTEMPTS], tasks::AttemptProjection::default())?;
+    // One group, `intake.projections`, for the three topics (docs/decisions.md, entry 58).
+    app.consume(
+        "projections",
+        &[fenceline_events::topics::STATUS, fenceline_events::topics::ATTEMPTS, fenceline_events::topics::RECOVERY],
+        tasks::Projections::default(),
+    )?;
     app.consume(
         "requests",
         &[fenceline_events::topics::INTAKE_REQUESTS],

@@ -1,21 +1,32 @@
 //! Intake's projections: `fenceline.status` into `task_view`, the recovery
-//! decisions into cases, the attempts' outcomes into their views; each a batch
-//! handler of the fenced consumer.
+//! decisions into cases, the attempts' outcomes into their views; one batch
+//! handler of the fenced consumer for the three topics.
 
 use fenceline_bus::{HandleError, Handler, Inbound, OutboxWriter};
 use fenceline_domain::ids::TaskId;
 use fenceline_domain::vocabulary::{AttemptOutcome, ErrorClass, RecoveryDecision};
-use fenceline_events::{Event, Timestamp};
+use fenceline_events::{Event, Timestamp, topics};
 use sqlx::PgConnection;
 
-/// Projects the `outcome_unknown` decisions of `fenceline.recovery` with their
-/// evidence, for reads.
+/// Intake's one consumer of what the other services decide: the status snapshots
+/// of `fenceline.status` into `task_view`, the executor's reports on
+/// `fenceline.attempts` into `task_attempts` and the step outputs, and the
+/// `outcome_unknown` decisions of `fenceline.recovery` into cases, with a timeline
+/// line per event and one change mark per task. One group for the three topics
+/// (docs/decisions.md, entry 58): a task's snapshot and reports meet in one batch,
+/// one commit and one mark, instead of one each in three consumers that waited on
+/// each other's marks.
 #[derive(Debug, Default)]
-pub struct CaseProjection {
+pub struct Projections {
     batch: BatchWrites,
 }
 
-impl Handler for CaseProjection {
+impl Handler for Projections {
+    /// Clients poll `task_view` for their task's state.
+    fn on_a_tasks_way(&self) -> bool {
+        true
+    }
+
     async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
         Ok(self.batch.flush(tx).await?)
     }
@@ -25,9 +36,50 @@ impl Handler for CaseProjection {
     }
 
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
-        let Event::RecoveryDecided(decided) = &record.envelope.event else {
-            return Ok(());
-        };
+        match &record.envelope.event {
+            Event::TaskStatus(status) => {
+                self.batch.views.gather(status);
+                self.batch.lines.gather(record);
+                self.batch.marks.mark(status.task_id, Some(&status.tenant));
+                Ok(())
+            }
+            event if record.topic.ends_with(topics::STATUS) => {
+                Err(HandleError::Poison(format!("{} does not belong on the status topic", event.event_type())))
+            }
+            Event::RecoveryDecided(decided) => self.case(tx, decided, record).await,
+            _ => {
+                self.report(record);
+                Ok(())
+            }
+        }
+    }
+
+    /// A snapshot sent again: the view keeps the newest version, the timeline line
+    /// is keyed by the event id, and a mark only wakes the task's pages again. Every
+    /// report but an attempt's end: its timeline line is keyed by the event id and
+    /// an attempt keeps its earliest start. An end is remembered, as the last end
+    /// heard replaces the one before; so is a recovery decision, which opens a case.
+    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
+        !matches!(
+            event,
+            Event::AttemptSucceeded(_)
+                | Event::AttemptFailed(_)
+                | Event::AttemptReleased(_)
+                | Event::AttemptLost(_)
+                | Event::RecoveryDecided(_)
+        )
+    }
+}
+
+impl Projections {
+    /// A recovery decision: on the attempt it decided about, and as a case when
+    /// the outcome is unknown.
+    async fn case(
+        &self,
+        tx: &mut PgConnection,
+        decided: &fenceline_events::RecoveryDecided,
+        record: &Inbound,
+    ) -> Result<(), HandleError> {
         self.batch.lines.gather(record);
         self.batch.marks.mark(decided.task_id, None);
         // A decision about an attempt whose outcome was in doubt belongs on that attempt
@@ -61,30 +113,10 @@ impl Handler for CaseProjection {
         .await?;
         Ok(())
     }
-}
 
-/// Projects the executor's reports on `fenceline.attempts` into `task_attempts`:
-/// when each attempt was taken up and how it ended.
-#[derive(Debug, Default)]
-pub struct AttemptProjection {
-    batch: BatchWrites,
-}
-
-impl Handler for AttemptProjection {
-    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.batch.flush(tx).await?)
-    }
-
-    fn discard(&self) {
-        self.batch.discard();
-    }
-
-    async fn handle(
-        &self,
-        _tx: &mut PgConnection,
-        _outbox: &OutboxWriter,
-        record: &Inbound,
-    ) -> Result<(), HandleError> {
+    /// One of the executor's reports: when an attempt was taken up and how it
+    /// ended, and a step's output.
+    fn report(&self, record: &Inbound) {
         if let Some(task_id) = self.batch.lines.gather(record) {
             self.batch.marks.mark(task_id, None);
         }
@@ -123,17 +155,6 @@ impl Handler for AttemptProjection {
             ),
             _ => {}
         }
-        Ok(())
-    }
-
-    /// Every report but an attempt's end, sent again: its timeline line is keyed by
-    /// the event id and an attempt keeps its earliest start. An end is remembered,
-    /// as the last end heard replaces the one before.
-    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
-        !matches!(
-            event,
-            Event::AttemptSucceeded(_) | Event::AttemptFailed(_) | Event::AttemptReleased(_) | Event::AttemptLost(_)
-        )
     }
 }
 
@@ -226,53 +247,7 @@ impl Attempts {
     }
 }
 
-/// Projects `fenceline.status` into `task_view`: the newest version wins, so a
-/// late or repeated snapshot never moves a task backwards.
-#[derive(Debug, Default)]
-pub struct StatusProjection {
-    batch: BatchWrites,
-}
-
-impl Handler for StatusProjection {
-    /// Clients poll this projection for their task's state.
-    fn on_a_tasks_way(&self) -> bool {
-        true
-    }
-
-    async fn flush(&self, tx: &mut PgConnection, _outbox: &OutboxWriter) -> Result<(), HandleError> {
-        Ok(self.batch.flush(tx).await?)
-    }
-
-    fn discard(&self) {
-        self.batch.discard();
-    }
-
-    async fn handle(
-        &self,
-        _tx: &mut PgConnection,
-        _outbox: &OutboxWriter,
-        record: &Inbound,
-    ) -> Result<(), HandleError> {
-        let Event::TaskStatus(status) = &record.envelope.event else {
-            return Err(HandleError::Poison(format!(
-                "{} does not belong on the status topic",
-                record.envelope.event.event_type()
-            )));
-        };
-        self.batch.views.gather(status);
-        self.batch.lines.gather(record);
-        self.batch.marks.mark(status.task_id, Some(&status.tenant));
-        Ok(())
-    }
-
-    /// A snapshot sent again: the view keeps the newest version, the timeline line
-    /// is keyed by the event id, and a mark only wakes the task's pages again.
-    fn applies_twice_harmlessly(&self, event: &Event) -> bool {
-        matches!(event, Event::TaskStatus(_))
-    }
-}
-
-/// What a projection's consumer batch writes just before it commits
+/// What the projections' consumer batch writes just before it commits
 /// ([`fenceline_bus::Handler::flush`]), one statement each instead of one per
 /// event, and forgets if the batch (or the event's savepoint) rolls back: the
 /// newest snapshot of each task, the attempts heard of, the timeline lines, the
@@ -354,3 +329,6 @@ impl Views {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -10,9 +10,8 @@
 -- second time, in each partition's order. A snapshot or a report applied twice
 -- changes nothing (docs/bus.md, item 12); an attempt's end and a recovery decision
 -- are written again in the order they were first written, so the projection ends
--- as it was. The old groups' rows are left for those instances; once none runs,
--- `DELETE FROM consumer_partitions WHERE consumer_group LIKE '%intake.status'` (and
--- `.attempts`, `.cases`) may remove them.
+-- as it was. The old groups' rows are left for those instances; docs/deploy.md,
+-- "Rolling upgrades", says how to remove them once none runs.
 
 INSERT INTO consumer_partitions (consumer_group, topic, partition, epoch, next_offset, owner)
 SELECT substr(c.consumer_group, 1, length(c.consumer_group) - length(r.old)) || 'intake.projections',

@@ -38,9 +38,7 @@ impl Handler for Projections {
     async fn handle(&self, tx: &mut PgConnection, _outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
         match &record.envelope.event {
             Event::TaskStatus(status) => {
-                self.batch.views.gather(status);
-                self.batch.lines.gather(record);
-                self.batch.marks.mark(status.task_id, Some(&status.tenant));
+                self.status(status, record);
                 Ok(())
             }
             event if record.topic.ends_with(topics::STATUS) => {
@@ -72,6 +70,13 @@ impl Handler for Projections {
 }
 
 impl Projections {
+    /// A status snapshot: the task's view, kept if newest in the batch.
+    fn status(&self, status: &fenceline_events::TaskStatus, record: &Inbound) {
+        self.batch.views.gather(status);
+        self.batch.lines.gather(record);
+        self.batch.marks.mark(status.task_id, Some(&status.tenant));
+    }
+
     /// A recovery decision: on the attempt it decided about, and as a case when
     /// the outcome is unknown.
     async fn case(

@@ -3,13 +3,12 @@
 
 use std::borrow::Cow;
 
-use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
 /// The version of the migration that made `intake.projections` one group.
 const ONE_GROUP: i64 = 129;
 
-/// `crate::MIGRATOR`'s migrations below `version` (`..`) or from it (`from`).
+/// `crate::MIGRATOR`'s migrations whose version `keep` accepts.
 fn intake_migrations(keep: impl Fn(i64) -> bool) -> Migrator {
     Migrator {
         migrations: Cow::Owned(crate::MIGRATOR.migrations.iter().filter(|m| keep(m.version)).cloned().collect()),
@@ -17,13 +16,6 @@ fn intake_migrations(keep: impl Fn(i64) -> bool) -> Migrator {
         locking: true,
         no_tx: false,
     }
-}
-
-async fn groups_progress(pool: &PgPool) -> Vec<(String, String, i32, Option<i64>)> {
-    sqlx::query_as("SELECT consumer_group, topic, partition, next_offset FROM consumer_partitions ORDER BY 1, 2, 3")
-        .fetch_all(pool)
-        .await
-        .expect("consumer_partitions")
 }
 
 #[tokio::test]
@@ -56,7 +48,12 @@ async fn the_one_group_starts_where_the_three_had_got_to_and_remembers_what_they
 
     intake_migrations(|version| version >= ONE_GROUP).run(pool).await.expect("the migration");
 
-    let progress = groups_progress(pool).await;
+    let progress: Vec<(String, String, i32, Option<i64>)> = sqlx::query_as(
+        "SELECT consumer_group, topic, partition, next_offset FROM consumer_partitions ORDER BY 1, 2, 3",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("consumer_partitions");
     let of_new: Vec<_> = progress.iter().filter(|(group, ..)| group == "p1.intake.projections").collect();
     assert_eq!(
         of_new,

@@ -3,6 +3,7 @@
 mod call;
 mod claims;
 mod clock;
+pub mod from_scheduler;
 pub mod grants;
 mod lease;
 mod output;
@@ -111,7 +112,7 @@ fn check_lease(catalog: &fenceline_config::catalog::Catalog, lease_ms: u64) -> R
 }
 
 /// Builds the executor: connects and migrates its schema, starts its outbox relay,
-/// its consumer of grants and its workers.
+/// its consumer of grants and final states, and its workers.
 pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let catalog = Arc::new(config.catalog.load()?);
     let settings = Arc::new(config.executor);
@@ -128,11 +129,13 @@ pub async fn build(config: Config) -> Result<ServiceApp, Error> {
     let wake = Arc::new(tokio::sync::Notify::new());
     let handed = Arc::new(grants::Handed::default());
     app.consume(
-        "grants",
-        &[topics::DISPATCH],
-        grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
+        "from_scheduler",
+        &[topics::DISPATCH, topics::STATUS],
+        from_scheduler::FromScheduler {
+            grants: grants::GrantRecorder::new(wake.clone(), handed.clone(), settings.workers),
+            finals: retention::StatusProjection::default(),
+        },
     )?;
-    app.consume("status", &[topics::STATUS], retention::StatusProjection::default())?;
     let recorder = record::Recorder::new(app.base.database.pool.clone(), app.base.outbox.clone(), settings.clone());
     let calls = call::Calls {
         pool: app.base.database.pool.clone(),

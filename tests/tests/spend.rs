@@ -140,7 +140,11 @@ async fn a_spent_budget_holds_the_tenants_new_calls_with_a_reason_until_it_is_ra
         if succeeded == 3 && waiting.len() == 2 {
             break waiting;
         }
-        assert!(tokio::time::Instant::now() < deadline, "never 3 succeeded and 2 waiting: {succeeded}, {waiting:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never 3 succeeded and 2 waiting: {succeeded}, {waiting:?}\n{}",
+            system.logs()
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
     assert!(waiting[0].1.contains("tenant `acme` spent: 30 of 25 today (UTC)"), "{}", waiting[0].1);

@@ -26,12 +26,13 @@ impl Handler for FromScheduler {
     }
 
     async fn handle(&self, tx: &mut PgConnection, outbox: &OutboxWriter, record: &Inbound) -> Result<(), HandleError> {
-        match &record.envelope.event {
-            Event::TaskStatus(_) => self.finals.handle(tx, outbox, record).await,
-            event if record.topic.ends_with(topics::STATUS) => {
+        match (&record.envelope.event, record.topic.ends_with(topics::STATUS)) {
+            (Event::TaskStatus(_), true) => self.finals.handle(tx, outbox, record).await,
+            (event, true) => {
                 Err(HandleError::Poison(format!("{} does not belong on the status topic", event.event_type())))
             }
-            _ => self.grants.handle(tx, outbox, record).await,
+            // The grant recorder refuses what does not belong on the dispatch topic.
+            (_, false) => self.grants.handle(tx, outbox, record).await,
         }
     }
 

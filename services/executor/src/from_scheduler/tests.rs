@@ -119,6 +119,8 @@ async fn a_batch_of_grants_and_states_records_the_grants_and_keeps_only_final_st
     }
     let misplaced = consumer.handle(&mut tx, &outbox, &on(topics::STATUS, granted(GrantId::new_v7(), done))).await;
     assert!(matches!(misplaced, Err(HandleError::Poison(_))), "a grant on the status topic: {misplaced:?}");
+    let misplaced = consumer.handle(&mut tx, &outbox, &on(topics::DISPATCH, status(done, TaskState::Failed, 5))).await;
+    assert!(matches!(misplaced, Err(HandleError::Poison(_))), "a snapshot on the dispatch topic: {misplaced:?}");
     consumer.flush(&mut tx, &outbox).await.expect("flush");
     assert_eq!(handed_ids(&handed), Vec::<uuid::Uuid>::new(), "no grant is handed before its batch commits");
     tx.commit().await.expect("commit");

@@ -10,6 +10,8 @@ mod output;
 mod record;
 pub mod retention;
 #[cfg(test)]
+mod testing;
+#[cfg(test)]
 mod waiting;
 pub mod worker;
 

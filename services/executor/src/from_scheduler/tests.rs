@@ -6,14 +6,15 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fenceline_domain::ids::{EventId, GrantId, TaskId};
+use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::TaskState;
-use fenceline_events::{AttemptGranted, Envelope, Headers, TaskStatus, Timestamp};
+use fenceline_events::{TaskStatus, Timestamp};
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
 use super::*;
 use crate::grants::{Handed, Next};
+use crate::testing::{granted, on};
 
 /// The version of the migration that made `executor.from_scheduler` one group.
 const ONE_GROUP: i64 = 107;
@@ -26,24 +27,6 @@ fn executor_migrations(keep: impl Fn(i64) -> bool) -> Migrator {
         locking: true,
         no_tx: false,
     }
-}
-
-fn granted(grant_id: GrantId, task_id: TaskId) -> Event {
-    Event::AttemptGranted(AttemptGranted {
-        grant_id,
-        task_id,
-        tenant: "acme".into(),
-        attempt: 1,
-        generation: 0,
-        kind: "image.generate".into(),
-        input_json: "{}".into(),
-        resume_after_step: None,
-        provider: "imagegen".into(),
-        slot: "imagegen".into(),
-        lease_budget_ms: 60_000,
-        deadline: None,
-        granted_at: Timestamp(0),
-    })
 }
 
 fn status(task_id: TaskId, state: TaskState, version: i64) -> Event {
@@ -76,27 +59,6 @@ fn handed_ids(handed: &Handed) -> Vec<uuid::Uuid> {
     }
 }
 
-fn on(topic: &str, event: Event) -> Inbound {
-    Inbound {
-        topic: format!("test.{topic}"),
-        partition: 0,
-        offset: 0,
-        key: None,
-        value: Vec::new(),
-        envelope: Envelope {
-            headers: Headers {
-                event_id: EventId::new_v7(),
-                event_type: event.event_type().into(),
-                schema_fingerprint: String::new(),
-                producer: "scheduler".into(),
-                produced_at: Timestamp(0),
-                traceparent: None,
-            },
-            event,
-        },
-    }
-}
-
 #[tokio::test]
 async fn a_batch_of_grants_and_states_records_the_grants_and_keeps_only_final_states_in_one_commit() {
     let pool: PgPool =
@@ -110,14 +72,15 @@ async fn a_batch_of_grants_and_states_records_the_grants_and_keeps_only_final_st
     let outbox = OutboxWriter::new("executor", "test.", 1);
     let mut tx = pool.begin().await.expect("begin");
     for record in [
-        on(topics::DISPATCH, granted(grant, running)),
+        on(topics::DISPATCH, granted(grant, running, "{}")),
         on(topics::STATUS, status(running, TaskState::Running, 2)),
         on(topics::STATUS, status(done, TaskState::Running, 3)),
         on(topics::STATUS, status(done, TaskState::Succeeded, 4)),
     ] {
         consumer.handle(&mut tx, &outbox, &record).await.expect("handle");
     }
-    let misplaced = consumer.handle(&mut tx, &outbox, &on(topics::STATUS, granted(GrantId::new_v7(), done))).await;
+    let misplaced =
+        consumer.handle(&mut tx, &outbox, &on(topics::STATUS, granted(GrantId::new_v7(), done, "{}"))).await;
     assert!(matches!(misplaced, Err(HandleError::Poison(_))), "a grant on the status topic: {misplaced:?}");
     let misplaced = consumer.handle(&mut tx, &outbox, &on(topics::DISPATCH, status(done, TaskState::Failed, 5))).await;
     assert!(matches!(misplaced, Err(HandleError::Poison(_))), "a snapshot on the dispatch topic: {misplaced:?}");

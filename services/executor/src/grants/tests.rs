@@ -2,53 +2,19 @@
 //! re-issued with the same id makes no second execution and is handed to the
 //! workers once, and a cancellation marks only its own execution.
 
-use fenceline_domain::ids::{EventId, GrantId, TaskId};
-use fenceline_events::{AttemptGranted, CancelAttempt, Envelope, Headers, Timestamp};
+use fenceline_domain::ids::{GrantId, TaskId};
+use fenceline_events::{CancelAttempt, Timestamp};
 use sqlx::PgPool;
 
 use super::*;
+use crate::testing;
 
 async fn fresh_schema() -> PgPool {
     fenceline_store::fresh_test_schema("executor", &[&fenceline_bus::MIGRATOR, &crate::MIGRATOR]).await.pool
 }
 
 fn granted(grant_id: GrantId, input_json: &str) -> Event {
-    Event::AttemptGranted(AttemptGranted {
-        grant_id,
-        task_id: TaskId::new_v7(),
-        tenant: "acme".into(),
-        attempt: 1,
-        generation: 0,
-        kind: "image.generate".into(),
-        input_json: input_json.into(),
-        resume_after_step: None,
-        provider: "imagegen".into(),
-        slot: "imagegen".into(),
-        lease_budget_ms: 60_000,
-        deadline: None,
-        granted_at: Timestamp(0),
-    })
-}
-
-fn inbound(event: Event) -> Inbound {
-    Inbound {
-        topic: "test.fenceline.dispatch".into(),
-        partition: 0,
-        offset: 0,
-        key: None,
-        value: Vec::new(),
-        envelope: Envelope {
-            headers: Headers {
-                event_id: EventId::new_v7(),
-                event_type: event.event_type().into(),
-                schema_fingerprint: String::new(),
-                producer: "scheduler".into(),
-                produced_at: Timestamp(0),
-                traceparent: None,
-            },
-            event,
-        },
-    }
+    testing::granted(grant_id, TaskId::new_v7(), input_json)
 }
 
 /// Handles `events` in one batch and commits it, as the consumer does.
@@ -56,7 +22,10 @@ async fn batch(pool: &PgPool, recorder: &GrantRecorder, events: Vec<Event>) {
     let outbox = OutboxWriter::new("executor", "test.", 1);
     let mut tx = pool.begin().await.expect("begin");
     for event in events {
-        recorder.handle(&mut tx, &outbox, &inbound(event)).await.expect("handle");
+        recorder
+            .handle(&mut tx, &outbox, &testing::on(fenceline_events::topics::DISPATCH, event))
+            .await
+            .expect("handle");
     }
     recorder.flush(&mut tx, &outbox).await.expect("flush");
     tx.commit().await.expect("commit");

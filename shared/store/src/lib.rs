@@ -131,6 +131,19 @@ fn connect_error(options: &PgConnectOptions, error: sqlx::Error) -> Error {
     if in_handshake && mode != "disable" { Error::Tls { mode, source: error } } else { Error::Connect(error) }
 }
 
+/// `migrator`'s migrations whose version `keep` accepts, applied as a service's start
+/// applies them (tolerant of versions it does not list): for a test that migrates a
+/// schema up to a version, writes rows as the release before left them, and then
+/// runs the rest.
+pub fn migrations_where(migrator: &Migrator, keep: impl Fn(i64) -> bool) -> Migrator {
+    Migrator {
+        migrations: std::borrow::Cow::Owned(migrator.migrations.iter().filter(|m| keep(m.version)).cloned().collect()),
+        ignore_missing: true,
+        locking: true,
+        no_tx: false,
+    }
+}
+
 fn clone_migrator(migrator: &Migrator) -> Migrator {
     Migrator {
         migrations: migrator.migrations.clone(),

@@ -2,7 +2,6 @@
 //! and final states is one transaction that writes both, and the migration that made
 //! the group carries over what the two groups it replaced had got to.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +9,6 @@ use fenceline_domain::ids::{GrantId, TaskId};
 use fenceline_domain::vocabulary::TaskState;
 use fenceline_events::{TaskStatus, Timestamp};
 use sqlx::PgPool;
-use sqlx::migrate::Migrator;
 
 use super::*;
 use crate::grants::{Handed, Next};
@@ -18,16 +16,6 @@ use crate::testing::{granted, on};
 
 /// The version of the migration that made `executor.from_scheduler` one group.
 const ONE_GROUP: i64 = 107;
-
-/// `crate::MIGRATOR`'s migrations whose version `keep` accepts.
-fn executor_migrations(keep: impl Fn(i64) -> bool) -> Migrator {
-    Migrator {
-        migrations: Cow::Owned(crate::MIGRATOR.migrations.iter().filter(|m| keep(m.version)).cloned().collect()),
-        ignore_missing: true,
-        locking: true,
-        no_tx: false,
-    }
-}
 
 fn status(task_id: TaskId, state: TaskState, version: i64) -> Event {
     Event::TaskStatus(TaskStatus {
@@ -100,7 +88,7 @@ async fn a_batch_of_grants_and_states_records_the_grants_and_keeps_only_final_st
 
 #[tokio::test]
 async fn the_one_group_starts_where_the_two_had_got_to_and_remembers_what_they_remembered() {
-    let before = executor_migrations(|version| version < ONE_GROUP);
+    let before = fenceline_store::migrations_where(&crate::MIGRATOR, |version| version < ONE_GROUP);
     let db = fenceline_store::fresh_test_schema(crate::NAME, &[&fenceline_bus::MIGRATOR, &before]).await;
     let pool = &db.pool;
     sqlx::query(
@@ -124,7 +112,10 @@ async fn the_one_group_starts_where_the_two_had_got_to_and_remembers_what_they_r
     .await
     .expect("the event ids remembered");
 
-    executor_migrations(|version| version >= ONE_GROUP).run(pool).await.expect("the migration");
+    fenceline_store::migrations_where(&crate::MIGRATOR, |version| version >= ONE_GROUP)
+        .run(pool)
+        .await
+        .expect("the migration");
 
     let progress: Vec<(String, String, i32, Option<i64>)> = sqlx::query_as(
         "SELECT consumer_group, topic, partition, next_offset FROM consumer_partitions \

@@ -1,26 +1,12 @@
 //! The projections' one consumer group, against a schema of its own: what the
 //! migration that made it carries over from the three groups it replaced.
 
-use std::borrow::Cow;
-
-use sqlx::migrate::Migrator;
-
 /// The version of the migration that made `intake.projections` one group.
 const ONE_GROUP: i64 = 129;
 
-/// `crate::MIGRATOR`'s migrations whose version `keep` accepts.
-fn intake_migrations(keep: impl Fn(i64) -> bool) -> Migrator {
-    Migrator {
-        migrations: Cow::Owned(crate::MIGRATOR.migrations.iter().filter(|m| keep(m.version)).cloned().collect()),
-        ignore_missing: true,
-        locking: true,
-        no_tx: false,
-    }
-}
-
 #[tokio::test]
 async fn the_one_group_starts_where_the_three_had_got_to_and_remembers_what_they_remembered() {
-    let before = intake_migrations(|version| version < ONE_GROUP);
+    let before = fenceline_store::migrations_where(&crate::MIGRATOR, |version| version < ONE_GROUP);
     let db = fenceline_store::fresh_test_schema(crate::NAME, &[&fenceline_bus::MIGRATOR, &before]).await;
     let pool = &db.pool;
     sqlx::query(
@@ -46,7 +32,10 @@ async fn the_one_group_starts_where_the_three_had_got_to_and_remembers_what_they
     .await
     .expect("the event ids they remembered");
 
-    intake_migrations(|version| version >= ONE_GROUP).run(pool).await.expect("the migration");
+    fenceline_store::migrations_where(&crate::MIGRATOR, |version| version >= ONE_GROUP)
+        .run(pool)
+        .await
+        .expect("the migration");
 
     let progress: Vec<(String, String, i32, Option<i64>)> = sqlx::query_as(
         "SELECT consumer_group, topic, partition, next_offset FROM consumer_partitions ORDER BY 1, 2, 3",

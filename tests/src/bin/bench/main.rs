@@ -5,7 +5,8 @@
 //! `BENCH_OUT` (default `bench-results/<time>/`). Scenarios (`BENCH_SCENARIOS`,
 //! comma-separated, default all): `throughput`, `loads`, `executors`, `peer`,
 //! `tickets`, `backlog`, `admission`, `settings` (`BENCH_TRY` against the
-//! defaults, alternating runs); `peer` runs pgqueuer and the durable engines DBOS and
+//! defaults, alternating runs), `calls` (what one paid call costs the process that
+//! makes it, not in the default set); `peer` runs pgqueuer and the durable engines DBOS and
 //! Temporal (`BENCH_PEERS`), and a run with it ends with every system side by side.
 //! Run through `deploy/local/stack bench`; the settings are listed in
 //! docs/performance.md. `bench chart FILE.json` draws the chart of figures written
@@ -13,6 +14,7 @@
 
 #![allow(clippy::print_stdout)]
 
+mod calls;
 mod chart;
 mod load;
 mod probe;
@@ -126,7 +128,7 @@ async fn main() {
         "settings": settings.json(),
         "started_at_unix_s": load::unix_us() / 1_000_000,
     });
-    if wanted.iter().any(|s| s != "peer") {
+    if wanted.iter().any(|s| s != "peer" && s != "calls") {
         println!("\n== broker warm-up (load average {})", load_average());
         scenarios::warm_the_broker(&settings).await;
     }
@@ -142,9 +144,10 @@ async fn main() {
             "backlog" => scenarios::backlog(&settings).await,
             "admission" => scenarios::admission(&settings).await,
             "settings" => scenarios::settings_tried(&settings).await,
+            "calls" => calls::calls(&settings).await,
             other => {
                 println!(
-                    "unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog, admission, settings"
+                    "unknown scenario {other}: expected throughput, loads, executors, peer, tickets, backlog, admission, settings, calls"
                 );
                 continue;
             }

@@ -158,6 +158,10 @@ pub struct Watched {
     pub postgres_client: bool,
 }
 
+/// Linux's USER_HZ, the unit of `/proc`'s CPU times; `getconf CLK_TCK` is 100 on
+/// every common kernel.
+const TICKS_PER_S: f64 = 100.0;
+
 /// Resident memory (kB) and CPU time (clock ticks) of a process now.
 fn read_process(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -174,6 +178,21 @@ fn read_process(pid: u32) -> Option<(u64, u64)> {
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
     Some((rss, utime + stime))
+}
+
+/// What this process has used so far: CPU seconds, and the voluntary context
+/// switches of the threads it has now.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnUsage {
+    pub cpu_s: f64,
+    pub voluntary_switches: u64,
+}
+
+/// This process's [`OwnUsage`] now.
+pub fn own_usage() -> OwnUsage {
+    let pid = std::process::id();
+    let ticks = read_process(pid).map_or(0, |(_, ticks)| ticks);
+    OwnUsage { cpu_s: ticks as f64 / TICKS_PER_S, voluntary_switches: thread_switches(pid).values().sum() }
 }
 
 /// Voluntary context switches of each thread of a process now, by thread id.
@@ -339,8 +358,6 @@ pub async fn sample_until(
     postgres_port: Option<u16>,
     stop: tokio_util::sync::CancellationToken,
 ) -> HashMap<String, Usage> {
-    // Linux's USER_HZ; `getconf CLK_TCK` is 100 on every common kernel.
-    const TICKS_PER_S: f64 = 100.0;
     let counting_trips = postgres_port.is_some() && watched.iter().any(|w| w.postgres_client);
     let mut first: Vec<HashMap<u32, u64>> = Vec::new();
     let mut last: Vec<HashMap<u32, u64>> = Vec::new();

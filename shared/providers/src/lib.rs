@@ -5,6 +5,7 @@
 //! behind anyone's back.
 
 pub mod dialect;
+mod resolver;
 mod tls;
 
 use std::time::Duration;
@@ -114,7 +115,7 @@ impl HttpProvider {
         let timeout = spec.call_timeout();
         let tls = tls::settings(name, &spec.tls)?;
         let config = |pooled: bool, redirects: u32| {
-            ureq::Agent::config_builder()
+            let settings = ureq::Agent::config_builder()
                 .tls_config(tls.config.clone())
                 .http_status_as_error(false)
                 .timeout_global(Some(timeout))
@@ -127,8 +128,13 @@ impl HttpProvider {
                 .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
                 .max_idle_connections(if pooled { 10 } else { 0 })
                 .max_idle_connections_per_host(if pooled { 3 } else { 0 })
-                .build()
-                .new_agent()
+                .build();
+            // An address written as an IP is connected to without a lookup.
+            ureq::Agent::with_parts(
+                settings,
+                ureq::unversioned::transport::DefaultConnector::new(),
+                resolver::LiteralOrLookup::default(),
+            )
         };
         // A paid call never rides a kept-alive connection: a write that meets a
         // connection the provider is closing fails after the connection was made,

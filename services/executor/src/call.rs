@@ -5,10 +5,10 @@
 //! same operation key. The key changes only after a definite "nothing was done",
 //! in the same fenced write that ends the attempt.
 //!
-//! A paid request leaves only while the task's deadline has not passed and the
-//! lease, freshly renewed, surely holds until the request has left: for the
-//! provider's connect bound plus the lease margin (docs/execution.md, "Executor";
-//! docs/decisions.md on why the lease need not cover the whole call).
+//! A paid request starts only while the task's deadline has not passed and the
+//! lease, freshly renewed, surely holds for its send window plus the lease margin
+//! (docs/execution.md, "Executor"; docs/decisions.md, entries 11 and 35, on why the
+//! lease need not cover the whole call, nor a slow connection).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -48,9 +48,10 @@ pub(crate) struct Ends {
     pub deadline: Option<Instant>,
 }
 
-/// The longest a paid request may take to leave once the call starts: its
-/// connect bound in `shared/providers` (half the call timeout, at most 1 s). After
-/// that the bytes are out, or the call gave up as "not sent".
+/// What the lease must surely cover when a paid request starts: half the call
+/// timeout, at most 1 s. The connection may take longer (the connect bound in
+/// `shared/providers`, up to 5 s, a TLS handshake included); such a request is
+/// counted in flight for the whole call timeout (docs/decisions.md, entry 35).
 pub(crate) fn send_window(call_timeout: Duration) -> Duration {
     call_timeout.min(Duration::from_secs(2)) / 2
 }

@@ -4,8 +4,7 @@
 //! The client's own resolver starts a thread for every lookup made under a timeout
 //! (every call here has one), even for `127.0.0.1`: a thread created and ended per
 //! paid call, about a third of what a call cost its process on loopback
-//! (docs/decisions.md, entry 60). A name keeps that lookup, whose timeout bounds
-//! the time before the request can leave, which the lease's margin counts on.
+//! (docs/decisions.md, entry 60). A name keeps that lookup.
 
 use std::net::{IpAddr, SocketAddr};
 

@@ -70,7 +70,15 @@ pub async fn decide(
 }
 
 impl Watches {
-    async fn open_case(&self, tx: &mut PgConnection, outbox: &OutboxWriter, lost: LostCall) -> Result<(), HandleError> {
+    /// Opens the case of `lost`, in the trace of `traceparent` (the task's), which
+    /// its look-ups join; a loss heard before its grant waits for it instead.
+    async fn open_case(
+        &self,
+        tx: &mut PgConnection,
+        outbox: &OutboxWriter,
+        lost: LostCall,
+        traceparent: Option<String>,
+    ) -> Result<(), HandleError> {
         type GrantRow = (String, Option<i64>, String, i64);
         let grant: Option<GrantRow> = sqlx::query_as(
             "SELECT kind, deadline_us, provider, now_us() \
@@ -152,8 +160,7 @@ impl Watches {
         .bind(ask_until)
         .bind(sqlx::types::Json(&found))
         .bind(now + spec.map(|p| i64::try_from(p.in_flight_window().as_micros()).unwrap_or(i64::MAX / 4)).unwrap_or(0))
-        // The handler's span continues the task's trace; the case's look-ups join it.
-        .bind(fenceline_telemetry::current_traceparent())
+        .bind(traceparent)
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -428,7 +435,8 @@ impl Handler for Watches {
                     request_id: call.as_ref().and_then(|c| c.3.clone()),
                     what: format!("the call's outcome is ambiguous: {}", e.message),
                 };
-                self.open_case(tx, outbox, lost).await?;
+                // The loss's own event continues the task's trace.
+                self.open_case(tx, outbox, lost, fenceline_telemetry::current_traceparent()).await?;
             }
             Event::AttemptLost(e) => {
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
@@ -444,7 +452,8 @@ impl Handler for Watches {
                     request_id: e.provider_request_id.clone(),
                     what: format!("the worker's lease expired; a new worker took over and found `{}`", e.last_phase),
                 };
-                self.open_case(tx, outbox, lost).await?;
+                // The loss's own event continues the task's trace.
+                self.open_case(tx, outbox, lost, fenceline_telemetry::current_traceparent()).await?;
             }
             Event::FencedResultReported(e) => self.fenced_result(tx, outbox, e).await?,
             other => {
@@ -499,8 +508,10 @@ impl Watches {
     /// that reads them back, and opens the cases of losses heard before their grant.
     async fn write_what_is_read(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
         let claim_within_us = i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
-        for lost in self.batch.flush_reads(tx, claim_within_us).await? {
-            self.open_case(tx, outbox, lost).await?;
+        // Outside the loss's event (at a later event or the batch's end): the case
+        // joins the task's trace through its grant's.
+        for early in self.batch.flush_reads(tx, claim_within_us).await? {
+            self.open_case(tx, outbox, early.lost, early.traceparent).await?;
         }
         Ok(())
     }

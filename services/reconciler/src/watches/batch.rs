@@ -26,7 +26,7 @@ impl BatchWrites {
         &self,
         tx: &mut PgConnection,
         claim_within_us: i64,
-    ) -> Result<Vec<LostCall>, sqlx::Error> {
+    ) -> Result<Vec<EarlyLoss>, sqlx::Error> {
         let early_losses = self.grants.flush(tx, claim_within_us).await?;
         self.intents.flush(tx).await?;
         Ok(early_losses)
@@ -139,6 +139,15 @@ impl TaskStates {
     }
 }
 
+/// A loss heard before its grant, handed back when the grant is written, with the
+/// grant's trace: its case opens now, outside the loss's own event, and joins the
+/// task's trace through it.
+#[derive(Debug, Clone)]
+pub(crate) struct EarlyLoss {
+    pub lost: LostCall,
+    pub traceparent: Option<String>,
+}
+
 /// The grants a batch heard, in the order heard, each with the trace it joins.
 #[derive(Debug, Default)]
 pub(crate) struct Grants(fenceline_bus::gathered::All<(AttemptGranted, Option<String>)>);
@@ -152,7 +161,7 @@ impl Grants {
     /// it before it arrived (`early_grant_facts`), and a grant sent again inserts
     /// nothing; returns the losses heard before their grant (`early_losses`), whose
     /// cases open now.
-    async fn flush(&self, tx: &mut PgConnection, claim_within_us: i64) -> Result<Vec<LostCall>, sqlx::Error> {
+    async fn flush(&self, tx: &mut PgConnection, claim_within_us: i64) -> Result<Vec<EarlyLoss>, sqlx::Error> {
         let mut grants = self.0.take();
         if grants.is_empty() {
             return Ok(Vec::new());
@@ -164,7 +173,7 @@ impl Grants {
             .map(|(g, _)| serde_json::to_string(g))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-        let lost: Vec<sqlx::types::Json<LostCall>> = sqlx::query_scalar(
+        let lost: Vec<(sqlx::types::Json<LostCall>, Option<String>)> = sqlx::query_as(
             "WITH given AS (SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[], $5::text[], \
                $6::bigint[], $7::text[], $8::text[]) \
                AS g (grant_id, task_id, attempt, kind, provider, deadline_us, granted, traceparent)), \
@@ -177,7 +186,7 @@ impl Grants {
                FROM given g LEFT JOIN early ON early.grant_id = g.grant_id ORDER BY g.grant_id \
                ON CONFLICT (grant_id) DO NOTHING) \
              DELETE FROM early_losses l USING given \
-             WHERE l.task_id = given.task_id AND l.attempt = given.attempt RETURNING l.lost",
+             WHERE l.task_id = given.task_id AND l.attempt = given.attempt RETURNING l.lost, given.traceparent",
         )
         .bind(grants.iter().map(|(g, _)| g.grant_id.as_uuid()).collect::<Vec<_>>())
         .bind(grants.iter().map(|(g, _)| g.task_id.as_uuid()).collect::<Vec<_>>())
@@ -190,7 +199,7 @@ impl Grants {
         .bind(claim_within_us)
         .fetch_all(&mut *tx)
         .await?;
-        Ok(lost.into_iter().map(|l| l.0).collect())
+        Ok(lost.into_iter().map(|(lost, traceparent)| EarlyLoss { lost: lost.0, traceparent }).collect())
     }
 
     fn discard(&self) {

@@ -124,7 +124,7 @@ fn granted(grant_id: GrantId, task_id: TaskId) -> AttemptGranted {
     }
 }
 
-async fn flush_grants(pool: &PgPool, batch: &BatchWrites) -> Vec<LostCall> {
+async fn flush_grants(pool: &PgPool, batch: &BatchWrites) -> Vec<EarlyLoss> {
     let mut tx = pool.begin().await.expect("begin");
     let early = batch.flush_reads(&mut tx, 5_000_000).await.expect("write the grants");
     tx.commit().await.expect("commit");
@@ -161,7 +161,9 @@ async fn a_batchs_grants_are_recorded_once_each_taking_what_was_heard_before_the
     }
     let opened = flush_grants(&pool, &batch).await;
     assert_eq!(opened.len(), 1, "the loss heard before its grant is handed back to open its case");
-    assert_eq!((opened[0].task_id, opened[0].operation_key.as_deref()), (early_task, Some("key-1")));
+    assert_eq!((opened[0].lost.task_id, opened[0].lost.operation_key.as_deref()), (early_task, Some("key-1")));
+    // Its case opens outside the loss's event: it joins the task's trace through the grant's.
+    assert_eq!(opened[0].traceparent.as_deref(), Some("00-trace"));
     assert_eq!(facts_in(&pool, "grants", early).await, Some((true, false)), "the early claim applies");
     assert_eq!(facts_in(&pool, "grants", plain).await, Some((false, false)));
     assert_eq!(facts_in(&pool, "early_grant_facts", early).await, None, "the grant took its early facts");

@@ -15,6 +15,7 @@ use fenceline_domain::vocabulary::{CaseState, ErrorClass, Phase, RecoveryDecisio
 use fenceline_events::{Event, Evidence, FencedResultReported, RecoveryDecided, Timestamp, topics};
 use sqlx::PgConnection;
 use tokio::sync::Notify;
+use tracing::Instrument as _;
 
 use fenceline_store::word::Stored;
 
@@ -70,15 +71,10 @@ pub async fn decide(
 }
 
 impl Watches {
-    /// Opens the case of `lost`, in the trace of `traceparent` (the task's), which
-    /// its look-ups join; a loss heard before its grant waits for it instead.
-    async fn open_case(
-        &self,
-        tx: &mut PgConnection,
-        outbox: &OutboxWriter,
-        lost: LostCall,
-        traceparent: Option<String>,
-    ) -> Result<(), HandleError> {
+    /// Opens the case of `lost` in the current span's trace (the task's), which its
+    /// look-ups and the events it writes join; a loss heard before its grant waits
+    /// for it instead.
+    async fn open_case(&self, tx: &mut PgConnection, outbox: &OutboxWriter, lost: LostCall) -> Result<(), HandleError> {
         type GrantRow = (String, Option<i64>, String, i64);
         let grant: Option<GrantRow> = sqlx::query_as(
             "SELECT kind, deadline_us, provider, now_us() \
@@ -160,7 +156,7 @@ impl Watches {
         .bind(ask_until)
         .bind(sqlx::types::Json(&found))
         .bind(now + spec.map(|p| i64::try_from(p.in_flight_window().as_micros()).unwrap_or(i64::MAX / 4)).unwrap_or(0))
-        .bind(traceparent)
+        .bind(fenceline_telemetry::current_traceparent())
         .execute(&mut *tx)
         .await?
         .rows_affected();
@@ -435,8 +431,7 @@ impl Handler for Watches {
                     request_id: call.as_ref().and_then(|c| c.3.clone()),
                     what: format!("the call's outcome is ambiguous: {}", e.message),
                 };
-                // The loss's own event continues the task's trace.
-                self.open_case(tx, outbox, lost, fenceline_telemetry::current_traceparent()).await?;
+                self.open_case(tx, outbox, lost).await?;
             }
             Event::AttemptLost(e) => {
                 write_grant_facts(tx, vec![(e.grant_id, Heard::ENDED)]).await?;
@@ -452,8 +447,7 @@ impl Handler for Watches {
                     request_id: e.provider_request_id.clone(),
                     what: format!("the worker's lease expired; a new worker took over and found `{}`", e.last_phase),
                 };
-                // The loss's own event continues the task's trace.
-                self.open_case(tx, outbox, lost, fenceline_telemetry::current_traceparent()).await?;
+                self.open_case(tx, outbox, lost).await?;
             }
             Event::FencedResultReported(e) => self.fenced_result(tx, outbox, e).await?,
             other => {
@@ -508,10 +502,12 @@ impl Watches {
     /// that reads them back, and opens the cases of losses heard before their grant.
     async fn write_what_is_read(&self, tx: &mut PgConnection, outbox: &OutboxWriter) -> Result<(), HandleError> {
         let claim_within_us = i64::try_from(self.settings.claim_timeout_ms).unwrap_or(0) * 1_000;
-        // Outside the loss's event (at a later event or the batch's end): the case
-        // joins the task's trace through its grant's.
+        // Outside the loss's event (at a later event or the batch's end): the case,
+        // and what it decides at once, join the task's trace through its grant's.
         for early in self.batch.flush_reads(tx, claim_within_us).await? {
-            self.open_case(tx, outbox, early.lost, early.traceparent).await?;
+            let span = tracing::info_span!("open case", task_id = %early.lost.task_id, attempt = early.lost.attempt);
+            fenceline_telemetry::continue_trace(&span, early.traceparent.as_deref());
+            self.open_case(tx, outbox, early.lost).instrument(span).await?;
         }
         Ok(())
     }

@@ -20,8 +20,30 @@ use crate::{median_of, setting};
 /// The provider the scenario calls.
 const PROVIDER: &str = "gen";
 
+/// A way of making the call.
+#[derive(Debug, Clone, Copy)]
+enum Way {
+    /// The executor's: `HttpProvider::start` on a blocking thread.
+    ExecutorBlockingThread,
+    /// The hand-off to a blocking thread, with nothing to do there.
+    HandOffAlone,
+    /// The request on a fresh connection from the runtime, no client.
+    BareAsyncExchange,
+}
+
+impl Way {
+    /// Its name in the figures.
+    fn name(self) -> &'static str {
+        match self {
+            Way::ExecutorBlockingThread => "executor_blocking_thread",
+            Way::HandOffAlone => "hand_off_alone",
+            Way::BareAsyncExchange => "bare_async_exchange",
+        }
+    }
+}
+
 /// The ways measured, in the order each run takes them.
-const WAYS: [&str; 3] = ["executor_blocking_thread", "hand_off_alone", "bare_async_exchange"];
+const WAYS: [Way; 3] = [Way::ExecutorBlockingThread, Way::HandOffAlone, Way::BareAsyncExchange];
 
 /// `BENCH_CALLS` calls (default 5,000) each way, `BENCH_CALLS_AT_ONCE` (default 8)
 /// at once, `BENCH_RUNS` runs alternating the ways; CPU and voluntary context
@@ -43,7 +65,7 @@ pub async fn calls(settings: &Settings) -> Value {
                 let (provider, address) = (provider.clone(), address.clone());
                 async move {
                     match way {
-                        "executor_blocking_thread" => {
+                        Way::ExecutorBlockingThread => {
                             let key = format!("calls-{run}-{n}");
                             let answer = provider.start("render", json!({"n": n}), &key).await;
                             assert!(
@@ -51,32 +73,34 @@ pub async fn calls(settings: &Settings) -> Value {
                                 "the call was not taken: {answer:?}"
                             );
                         }
-                        "hand_off_alone" => tokio::task::spawn_blocking(|| ()).await.expect("the blocking pool"),
-                        _ => bare_exchange(&address, &format!("bare-{run}-{n}")).await,
+                        Way::HandOffAlone => tokio::task::spawn_blocking(|| ()).await.expect("the blocking pool"),
+                        Way::BareAsyncExchange => bare_exchange(&address, &format!("bare-{run}-{n}")).await,
                     }
                 }
             })
             .await;
             println!(
-                "  run {run} {way:26} {:7.1} µs of CPU a call {:5.2} voluntary context switches a call {:8.0} calls/s",
+                "  run {run} {:26} {:7.1} µs of CPU a call {:5.2} voluntary context switches a call {:8.0} calls/s",
+                way.name(),
                 measured["cpu_us_per_call"].as_f64().unwrap_or(0.0),
                 measured["voluntary_switches_per_call"].as_f64().unwrap_or(0.0),
                 measured["calls_per_s"].as_f64().unwrap_or(0.0),
             );
-            figures.insert(way.to_owned(), measured);
+            figures.insert(way.name().to_owned(), measured);
         }
         runs.push(Value::Object(figures));
     }
     let mut medians = serde_json::Map::new();
     for way in WAYS {
-        let of_way: Vec<Value> = runs.iter().map(|r| r[way].clone()).collect();
+        let of_way: Vec<Value> = runs.iter().map(|r| r[way.name()].clone()).collect();
         let median = median_of(&of_way);
         println!(
-            "  median {way:26} {:7.1} µs of CPU a call {:5.2} voluntary context switches a call",
+            "  median {:26} {:7.1} µs of CPU a call {:5.2} voluntary context switches a call",
+            way.name(),
             median["cpu_us_per_call"].as_f64().unwrap_or(0.0),
             median["voluntary_switches_per_call"].as_f64().unwrap_or(0.0),
         );
-        medians.insert(way.to_owned(), median);
+        medians.insert(way.name().to_owned(), median);
     }
     json!({"calls": calls, "at_once": at_once, "median": medians, "runs": runs})
 }

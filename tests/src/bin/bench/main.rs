@@ -19,6 +19,7 @@ mod chart;
 mod load;
 mod probe;
 mod scenarios;
+mod way;
 
 use serde_json::{Value, json};
 

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 
 use crate::load::{self, Pace, Submission, Target};
 use crate::probe::{self, Watched, round};
+use crate::way;
 use crate::{list_setting, median_of, setting};
 
 /// The one-step kind and the three-step kind every system's catalogue holds.
@@ -448,6 +449,7 @@ async fn figures(
         *at = (*at).min(call.received_at_us);
     }
     let (mut answered, mut granted, mut called, mut done) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut ways = Vec::new();
     let mut in_window = 0u64;
     let mut unfinished = 0u64;
     for s in submissions.iter().filter(|s| s.accepted) {
@@ -457,9 +459,11 @@ async fn figures(
         if let Some(at) = grants.get(&id) {
             granted.push(ms(*at));
         }
-        if let Some(at) = first_call.get(&format!("{}-{}", target.tag, s.index)) {
-            called.push(ms(*at));
+        let call = first_call.get(&format!("{}-{}", target.tag, s.index)).copied();
+        if let Some(at) = call {
+            called.push(ms(at));
         }
+        ways.push((id.clone(), s.due_us, call));
         match succeeded.get(&id) {
             Some(at) => {
                 done.push(ms(*at));
@@ -475,6 +479,10 @@ async fn figures(
         .filter_map(|s| grants.get(s.task_id.as_deref().unwrap_or_default()))
         .filter(|at| (first.at_us..=last.at_us).contains(*at))
         .count();
+    let instants =
+        way::instants(|service| bench.pool(service).clone(), bench.system.brokers.clone(), bench.system.prefix.clone())
+            .await;
+    let hops = way::hops(&ways, &instants, percentiles);
     let window_s = (last.at_us - first.at_us) as f64 / 1e6;
     let finished = done.len() as u64;
     let per_task = |value: f64| if finished == 0 { Value::Null } else { json!(round(value / finished as f64, 2)) };
@@ -509,6 +517,7 @@ async fn figures(
             "submit_to_provider_call": percentiles(called),
             "submit_to_succeeded": percentiles(done),
         },
+        "hops_ms": hops,
         "postgres_commits_per_task": per_task(all_commits),
         "postgres_commits_per_task_by_service": commits,
         "kafka_records_per_task": per_task((whole.last.kafka.written - whole.first.kafka.written) as f64),
@@ -546,6 +555,7 @@ fn line(label: &str, f: &Value) {
         f["kafka_records_per_task"],
         f["unfinished"],
     );
+    println!("    hops p50 (p99) ms: {}", way::line(&f["hops_ms"]));
     costs(f);
 }
 

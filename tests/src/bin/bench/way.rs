@@ -32,14 +32,15 @@ const INTENT: Read = ("intent", "reconciler", "SELECT task_id::text, intent_at_u
 /// (its `produced_at` header, in the submission's transaction) and as its relay
 /// handed it to the producer (the record's timestamp); `grant out` is the
 /// scheduler's `AttemptGranted` handed to the producer; `called` is the fake
-/// provider's arrival time. `inserted` is the start of the executor's consumer
-/// transaction, so the hop into it is short by that transaction's time and the
-/// hop out of it longer by as much.
+/// provider's arrival time. `granted` is the start of the dispatch round that
+/// granted and `inserted` that of the executor's consumer transaction: the hop
+/// into either is short by that round's or transaction's time, and the hop out
+/// of it longer by as much.
 pub const HOPS: [(&str, &str); 8] = [
     ("accepted", "intake's submission queue and statement"),
     ("accepted out", "intake's commit, its relay's wake and read"),
-    ("granted", "the broker, the scheduler's consumer and commit, its notification, the dispatch round"),
-    ("grant out", "the rest of the round and its commit, the scheduler's relay's wake and read"),
+    ("granted", "the producer's linger, the broker, the scheduler's consumer and commit, its notification"),
+    ("grant out", "the dispatch round and its commit, the scheduler's relay's wake and read"),
     ("inserted", "the producer's linger, the broker, the executor's consumer"),
     ("claimed", "the consumer's commit, the hand-off to a worker, its claim"),
     ("intent", "the claim's commit, the step's start, the fenced call intent"),

@@ -24,6 +24,7 @@ const INSERTED: Read = (
     "SELECT task_id::text, (extract(epoch FROM created_at) * 1e6)::bigint FROM executor.executions",
 );
 const CLAIMED: Read = ("claimed", "executor", "SELECT task_id::text, first_claimed_at_us FROM executor.executions");
+/// An attempt's last call intent: its first step's only in a kind of one step.
 const INTENT: Read = ("intent", "reconciler", "SELECT task_id::text, intent_at_us FROM reconciler.calls");
 
 /// A task's way to its paid call, after its submission was due: each instant's

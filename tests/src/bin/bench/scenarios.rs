@@ -479,9 +479,13 @@ async fn figures(
         .filter_map(|s| grants.get(s.task_id.as_deref().unwrap_or_default()))
         .filter(|at| (first.at_us..=last.at_us).contains(*at))
         .count();
-    let mut instants =
-        way::instants(|service| bench.pool(service).clone(), bench.system.brokers.clone(), bench.system.prefix.clone())
-            .await;
+    let mut instants = way::instants(
+        grants,
+        |service| bench.pool(service).clone(),
+        bench.system.brokers.clone(),
+        bench.system.prefix.clone(),
+    )
+    .await;
     if target.kind != ONE_STEP {
         // The reconciler keeps an attempt's last call intent, not its first step's.
         instants.remove("intent");

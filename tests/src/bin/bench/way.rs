@@ -16,8 +16,6 @@ use serde_json::{Value, json};
 /// set with `now()` are the start of the transaction that wrote them.
 type Read = (&'static str, &'static str, &'static str);
 
-const GRANTED: Read =
-    ("granted", "reconciler", "SELECT granted->>'task_id', (granted->>'granted_at')::bigint FROM reconciler.grants");
 const INSERTED: Read = (
     "inserted",
     "executor",
@@ -37,27 +35,30 @@ const INTENT: Read = ("intent", "reconciler", "SELECT task_id::text, intent_at_u
 /// granted and `inserted` that of the executor's consumer transaction: the hop
 /// into either is short by that round's or transaction's time, and the hop out
 /// of it longer by as much.
-pub const HOPS: [(&str, &str); 8] = [
-    ("accepted", "intake's submission queue and statement"),
-    ("accepted out", "intake's commit, its relay's wake and read"),
-    ("granted", "the producer's linger, the broker, the scheduler's consumer and commit, its notification"),
-    ("grant out", "the dispatch round and its commit, the scheduler's relay's wake and read"),
-    ("inserted", "the producer's linger, the broker, the executor's consumer"),
-    ("claimed", "the consumer's commit, the hand-off to a worker, its claim"),
-    ("intent", "the claim's commit, the step's start, the fenced call intent"),
-    ("called", "the intent's commit, the request on its way"),
-];
+///
+/// What each hop holds, by the instant it ends at: `accepted`, intake's
+/// submission queue and statement; `accepted out`, its commit and its relay's wake
+/// and read; `granted`, the producer's linger, the broker, the scheduler's consumer
+/// and commit, its notification; `grant out`, the dispatch round and its commit,
+/// the scheduler's relay; `inserted`, the linger, the broker, the executor's
+/// consumer; `claimed`, the consumer's commit, the hand-off to a worker, its
+/// claim; `intent`, the claim's commit and the fenced call intent; `called`, the
+/// intent's commit and the request on its way.
+pub const HOPS: [&str; 8] =
+    ["accepted", "accepted out", "granted", "grant out", "inserted", "claimed", "intent", "called"];
 
 /// Each task's earliest instant of every kind in [`HOPS`] but `called`, by task
-/// id, in microseconds since the epoch: the databases' through `pool` (each
-/// service's), the records' from the topics under `prefix` at `brokers`.
+/// id, in microseconds since the epoch: `granted` as the caller read it, the
+/// databases' through `pool` (each service's), the records' from the topics
+/// under `prefix` at `brokers`.
 pub async fn instants(
+    granted: HashMap<String, i64>,
     pool: impl Fn(&str) -> sqlx::PgPool,
     brokers: String,
     prefix: String,
 ) -> HashMap<&'static str, HashMap<String, i64>> {
-    let mut read = HashMap::new();
-    for (name, service, query) in [GRANTED, INSERTED, CLAIMED, INTENT] {
+    let mut read = HashMap::from([("granted", granted)]);
+    for (name, service, query) in [INSERTED, CLAIMED, INTENT] {
         let rows: Vec<(Option<String>, Option<i64>)> =
             sqlx::query_as(query).fetch_all(&pool(service)).await.unwrap_or_default();
         read.insert(name, earliest(rows.into_iter().filter_map(|(task, at)| Some((task?, at?)))));
@@ -148,9 +149,7 @@ pub fn hops(
     let mut spans: Vec<Vec<f64>> = vec![Vec::new(); HOPS.len()];
     for (task, due, called) in submitted {
         let mut way: Vec<Option<i64>> = vec![Some(*due)];
-        way.extend(
-            HOPS[..HOPS.len() - 1].iter().map(|(name, _)| instants.get(name).and_then(|by| by.get(task)).copied()),
-        );
+        way.extend(HOPS[..HOPS.len() - 1].iter().map(|name| instants.get(name).and_then(|by| by.get(task)).copied()));
         way.push(*called);
         for (hop, ends) in way.windows(2).enumerate() {
             if let [Some(from), Some(to)] = ends {
@@ -159,7 +158,7 @@ pub fn hops(
         }
     }
     let mut out = serde_json::Map::new();
-    for ((name, _), values) in HOPS.iter().zip(spans) {
+    for (name, values) in HOPS.iter().zip(spans) {
         out.insert((*name).to_owned(), percentiles(values));
     }
     json!(out)
@@ -168,8 +167,8 @@ pub fn hops(
 /// One line of the hops' p50 and p99, in milliseconds.
 pub fn line(hops: &Value) -> String {
     HOPS.iter()
-        .map(|(name, _)| {
-            let at = |q: &str| hops[name][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.1}"));
+        .map(|name| {
+            let at = |q: &str| hops[*name][q].as_f64().map_or("-".to_owned(), |v| format!("{v:.1}"));
             format!("{name} {} ({})", at("p50"), at("p99"))
         })
         .collect::<Vec<_>>()

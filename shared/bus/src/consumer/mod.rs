@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use fenceline_config::{ConsumerConfig, KafkaConfig};
 use fenceline_events::{Envelope, Event};
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedMessage;
 use sqlx::{PgConnection, PgPool};
@@ -40,7 +40,7 @@ mod processor;
 mod rebalance;
 
 pub use dead_letters::{Rejected, dead_letter};
-use poll::poll_loop;
+use poll::{poll_loop, subscribe_once_known};
 use processor::Processor;
 use rebalance::{FencedContext, STATISTICS_INTERVAL_MS, lock};
 
@@ -320,8 +320,9 @@ struct Fetched {
 pub struct FencedConsumer;
 
 impl FencedConsumer {
-    /// Subscribes and starts handling; runs until `shutdown` is cancelled. Must be
-    /// called from within a tokio runtime.
+    /// Starts handling; runs until `shutdown` is cancelled. The polling thread
+    /// subscribes once the broker knows every topic. Must be called from within a
+    /// tokio runtime.
     pub fn spawn<H: Handler>(
         spec: ConsumerSpec,
         kafka: &KafkaConfig,
@@ -351,8 +352,6 @@ impl FencedConsumer {
                 .set("statistics.interval.ms", STATISTICS_INTERVAL_MS)
                 .create_with_context(context)?,
         );
-        let topic_refs: Vec<&str> = spec.topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topic_refs)?;
 
         // Room for a few batches: enough to keep the processor busy, small enough
         // that a revoked partition's queued records are few.
@@ -362,9 +361,14 @@ impl FencedConsumer {
             let shutdown = shutdown.clone();
             let group = spec.group.clone();
             let owned = owned.clone();
+            let topics = spec.topics.clone();
             std::thread::Builder::new()
                 .name(format!("poll-{group}"))
-                .spawn(move || poll_loop(&consumer, &owned, &tx, &shutdown, &group))
+                .spawn(move || {
+                    if subscribe_once_known(&consumer, &topics, &shutdown, &group) {
+                        poll_loop(&consumer, &owned, &tx, &shutdown, &group);
+                    }
+                })
                 .map_err(|e| Error::Kafka(KafkaError::Subscription(e.to_string())))?
         };
         let processor = Processor {

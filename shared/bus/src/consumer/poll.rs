@@ -9,10 +9,71 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, error, info, warn};
 
 use super::rebalance::{FencedContext, lock};
 use super::{Fetched, Ownership};
+
+/// How often a consumer whose topics are not all known yet asks again.
+const TOPICS_ASKED_EVERY: Duration = Duration::from_millis(200);
+
+/// How often it says which topics it still waits for.
+const TOPICS_WAITED_FOR_LOGGED_EVERY: Duration = Duration::from_secs(10);
+
+/// Subscribes once the broker's metadata names every topic of the subscription
+/// with its partitions; `false` when `shutdown` came first or the subscription
+/// failed. A group joined while one of several topics is still unknown (created a
+/// moment before, and not yet in the broker's metadata) is assigned the others
+/// only, and the client looks again only at its periodic metadata refresh,
+/// minutes later: the missing topic's records would wait that long
+/// (docs/decisions.md, entry 62).
+pub(super) fn subscribe_once_known(
+    consumer: &BaseConsumer<FencedContext>,
+    topics: &[String],
+    shutdown: &CancellationToken,
+    group: &str,
+) -> bool {
+    let started = std::time::Instant::now();
+    let mut logged = started;
+    loop {
+        let missing: Vec<&str> = topics.iter().map(String::as_str).filter(|t| !known(consumer, t)).collect();
+        if missing.is_empty() {
+            break;
+        }
+        if shutdown.is_cancelled() {
+            return false;
+        }
+        if logged.elapsed() >= TOPICS_WAITED_FOR_LOGGED_EVERY {
+            logged = std::time::Instant::now();
+            warn!(
+                group,
+                ?missing,
+                waited_s = started.elapsed().as_secs(),
+                "the broker does not know these topics yet; the consumer joins its group once it does \
+                 (create them: docs/broker.md)"
+            );
+        }
+        std::thread::sleep(TOPICS_ASKED_EVERY);
+    }
+    if started.elapsed() >= TOPICS_ASKED_EVERY {
+        info!(group, waited_ms = started.elapsed().as_millis() as u64, "every topic known; joining the group");
+    }
+    let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+    match consumer.subscribe(&refs) {
+        Ok(()) => true,
+        Err(e) => {
+            error!(group, error = %e, "cannot subscribe; this consumer reads nothing");
+            false
+        }
+    }
+}
+
+/// Whether the broker's metadata names `topic` with at least one partition.
+fn known(consumer: &BaseConsumer<FencedContext>, topic: &str) -> bool {
+    consumer.fetch_metadata(Some(topic), Duration::from_secs(1)).is_ok_and(|metadata| {
+        metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
+    })
+}
 
 /// Polls without ever blocking on the processor: when its queue is full the
 /// assigned partitions are paused (and resumed once there is room), so rebalance

@@ -40,17 +40,16 @@ fn with_properties(mut config: ClientConfig, kafka: &KafkaConfig) -> ClientConfi
 /// An idempotent producer: no duplicates or reordering from its own retries.
 ///
 /// A relay hands its producer a whole batch and waits for every delivery before
-/// it reads again, so the linger gathers nothing more into that batch; but it
-/// paces a busy relay, whose next batches are then larger, and with them the
-/// consumers' batches downstream: a shorter linger shortened a light task's way
-/// and cost a tenth more commits a task under load (docs/decisions.md, entry 61).
+/// it reads again; the 1 ms linger sends that batch in one request. The relay, not
+/// the linger, paces itself when busy ([`crate::relay::after_round`]), so a lone
+/// record is not held back (docs/decisions.md, entries 61 and 63).
 pub fn producer_config(kafka: &KafkaConfig, client_id: &str) -> ClientConfig {
     let mut config = base(kafka, client_id);
     config
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
-        .set("linger.ms", "5")
+        .set("linger.ms", "1")
         .set("message.timeout.ms", kafka.message_timeout_ms.to_string());
     with_properties(config, kafka)
 }

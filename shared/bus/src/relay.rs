@@ -47,6 +47,37 @@ const PURGE_KEPT: &str = "DELETE FROM outbox WHERE published_at < now() - make_i
 /// takes them afresh, giving another instance's relay a turn.
 pub const HOLD_AT_MOST: Duration = Duration::from_secs(1);
 
+/// How long a busy relay waits before its next round, so that what its service
+/// writes meanwhile leaves in one batch, and reaches the consumers downstream as
+/// one (docs/decisions.md, entry 63). With the producer's 1 ms linger, a busy
+/// relay's rounds are as far apart as they were when the producer lingered 5 ms
+/// and the relay never waited.
+pub const PACE_WHEN_BUSY: Duration = Duration::from_millis(4);
+
+/// What a relay does after a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterRound {
+    /// Nothing was published: wait for a commit of its service or the idle poll.
+    Rest,
+    /// The next round at once: the first round after a rest published, and what
+    /// was written while it ran leaves without waiting.
+    Again,
+    /// [`PACE_WHEN_BUSY`], then the next round: two rounds in a row published, so
+    /// the service writes faster than single rows are worth a round each.
+    PaceThenAgain,
+}
+
+/// The pacing rule, as the consumers wait for a batch only when behind
+/// (docs/decisions.md, entries 29 and 63): a lone record leaves at once; a relay
+/// that keeps finding rows waits a little between rounds.
+pub fn after_round(published: usize, the_round_before_published: bool) -> AfterRound {
+    match (published, the_round_before_published) {
+        (0, _) => AfterRound::Rest,
+        (_, false) => AfterRound::Again,
+        (_, true) => AfterRound::PaceThenAgain,
+    }
+}
+
 /// The shards a relay holds across rounds while they keep it busy, and since when.
 #[derive(Debug)]
 struct Held {
@@ -198,6 +229,7 @@ impl Relay {
         // Instances start at different shards so that they rarely contend.
         let mut next_start = usize::from(rand_start(self.config.shards));
         let mut last_purge = tokio::time::Instant::now();
+        let mut the_round_before_published = false;
         info!(relay = %self.name, shards = self.config.shards, "outbox relay started");
         while !shutdown.is_cancelled() {
             let conn = match lock_conn.as_mut() {
@@ -216,19 +248,23 @@ impl Relay {
                 Ok(published) => {
                     backoff = Duration::from_millis(100);
                     self.stats.rounds.fetch_add(1, Ordering::Relaxed);
-                    if published == 0 {
-                        tokio::select! {
+                    match after_round(published, the_round_before_published) {
+                        AfterRound::Rest => tokio::select! {
                             _ = shutdown.cancelled() => {}
                             _ = self.writer.written.notified() => {}
                             _ = tokio::time::sleep(Duration::from_millis(self.config.idle_poll_ms)) => {}
-                        }
+                        },
+                        AfterRound::Again => {}
+                        AfterRound::PaceThenAgain => sleep_or_cancel(&shutdown, PACE_WHEN_BUSY).await,
                     }
+                    the_round_before_published = published > 0;
                 }
                 Err(e) => {
                     warn!(relay = %self.name, error = %e, "outbox relay round failed; unconfirmed rows will be sent again");
                     // The lock connection may be broken; its locks die with it.
                     lock_conn = None;
                     held = None;
+                    the_round_before_published = false;
                     sleep_or_cancel(&shutdown, backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
@@ -480,5 +516,22 @@ async fn sleep_or_cancel(shutdown: &CancellationToken, duration: Duration) {
     tokio::select! {
         _ = shutdown.cancelled() => {}
         _ = tokio::time::sleep(duration) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{AfterRound, after_round};
+
+    #[test]
+    fn a_lone_record_leaves_at_once_and_only_a_relay_that_keeps_finding_rows_waits() {
+        // Idle: rest until a commit wakes the relay.
+        assert_eq!(after_round(0, false), AfterRound::Rest);
+        assert_eq!(after_round(0, true), AfterRound::Rest);
+        // The first round after a rest published: look again at once, no wait.
+        assert_eq!(after_round(1, false), AfterRound::Again);
+        assert_eq!(after_round(500, false), AfterRound::Again);
+        // It found rows again: it is behind what its service writes, so it paces.
+        assert_eq!(after_round(1, true), AfterRound::PaceThenAgain);
     }
 }

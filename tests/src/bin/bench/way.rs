@@ -38,9 +38,10 @@ const INTENT: Read = ("intent", "reconciler", "SELECT task_id::text, intent_at_u
 ///
 /// What each hop holds, by the instant it ends at: `accepted`, intake's
 /// submission queue and statement; `accepted out`, its commit and its relay's wake
-/// and read; `granted`, the producer's linger, the broker, the scheduler's consumer
-/// and commit, its notification; `grant out`, the dispatch round and its commit,
-/// the scheduler's relay; `inserted`, the linger, the broker, the executor's
+/// and read; `granted`, the producer's linger (and the relay's pace when it is
+/// busy), the broker, the scheduler's consumer and commit, its notification;
+/// `grant out`, the dispatch round and its commit, the scheduler's relay;
+/// `inserted`, the linger and pace, the broker, the executor's
 /// consumer; `claimed`, the consumer's commit, the hand-off to a worker, its
 /// claim; `intent`, the claim's commit and the fenced call intent; `called`, the
 /// intent's commit and the request on its way.

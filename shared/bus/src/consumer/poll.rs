@@ -49,8 +49,8 @@ pub(super) fn subscribe_once_known(
                 group,
                 ?missing,
                 waited_s = started.elapsed().as_secs(),
-                "the broker does not know these topics yet; the consumer joins its group once it does \
-                 (create them: docs/broker.md)"
+                "the broker does not name these topics yet, or cannot be reached; the consumer joins its \
+                 group once it names them all (create them: docs/broker.md)"
             );
         }
         std::thread::sleep(TOPICS_ASKED_EVERY);

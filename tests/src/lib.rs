@@ -245,13 +245,31 @@ pub fn spawn_status_consumer<H: Handler>(
     handler: H,
     shutdown: &tokio_util::sync::CancellationToken,
 ) -> Result<fenceline_bus::ConsumerHandle, fenceline_bus::Error> {
+    let spec = consumer_spec(prefix, &[fenceline_events::topics::STATUS], group, instance);
+    spawn_consumer_of(spec, db, prefix, writer, handler, shutdown)
+}
+
+/// What a suite's consumer of the contract topics `wanted` under `prefix` consumes, as whom.
+pub fn consumer_spec(prefix: &str, wanted: &[&str], group: &str, instance: &str) -> fenceline_bus::ConsumerSpec {
+    fenceline_bus::ConsumerSpec {
+        group: group.to_owned(),
+        topics: wanted.iter().map(|topic| fenceline_events::topics::named(prefix, topic)).collect(),
+        instance: instance.to_owned(),
+        drain_grace: Duration::from_secs(5),
+    }
+}
+
+/// A consumer as `spec` says with `handler`, writing dead letters through `writer`.
+pub fn spawn_consumer_of<H: Handler>(
+    spec: fenceline_bus::ConsumerSpec,
+    db: &fenceline_store::Database,
+    prefix: &str,
+    writer: OutboxWriter,
+    handler: H,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<fenceline_bus::ConsumerHandle, fenceline_bus::Error> {
     fenceline_bus::FencedConsumer::spawn(
-        fenceline_bus::ConsumerSpec {
-            group: group.to_owned(),
-            topics: vec![fenceline_events::topics::named(prefix, fenceline_events::topics::STATUS)],
-            instance: instance.to_owned(),
-            drain_grace: Duration::from_secs(5),
-        },
+        spec,
         &kafka(prefix),
         &consumer_config(),
         db.pool.clone(),

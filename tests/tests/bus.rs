@@ -656,39 +656,22 @@ async fn a_relay_holding_its_shards_holds_back_its_own_service_and_no_other() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_started_before_one_of_its_topics_exists_reads_it_once_it_is_created() {
     let (url, prefix) = (fresh_database().await, fresh_topics().await);
-    let (known, late) = (topics::named(&prefix, topics::STATUS), topics::named(&prefix, topics::DISPATCH));
     let db = schema(&url, "consumer").await;
     let shutdown = CancellationToken::new();
     let writer = OutboxWriter::new("consumer", &prefix, outbox_config().shards);
     start_relay("consumer-relay", &db, &kafka(&prefix), &writer, &shutdown);
-    let _consumer = fenceline_bus::FencedConsumer::spawn(
-        fenceline_bus::ConsumerSpec {
-            group: fresh_group(),
-            topics: vec![known.clone(), late.clone()],
-            instance: "one".to_owned(),
-            drain_grace: Duration::from_secs(5),
-        },
-        &kafka(&prefix),
-        &consumer_config(),
-        db.pool.clone(),
-        writer,
-        ProbeHandler,
-        shutdown.clone(),
-    )
-    .expect("consumer");
+    let spec = consumer_spec(&prefix, &[topics::STATUS, topics::DISPATCH], &fresh_group(), "one");
+    let _consumer = spawn_consumer_of(spec, &db, &prefix, writer, ProbeHandler, &shutdown).expect("consumer");
     // Long enough for a group to be joined and assigned the known topic alone.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let spec = fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS)
-        .into_iter()
-        .filter(|t| t.name == late)
-        .collect::<Vec<_>>();
+    let late = topics::named(&prefix, topics::DISPATCH);
+    let spec: Vec<_> =
+        fenceline_bus::admin::fenceline_topics(&prefix, PARTITIONS).into_iter().filter(|t| t.name == late).collect();
     fenceline_bus::admin::ensure_topics(&kafka(&prefix), &spec, 1).await.expect("create the late topic");
 
-    let upstream = schema(&url, "upstream").await;
-    let upstream_writer = OutboxWriter::new("upstream", &prefix, outbox_config().shards);
-    start_relay("upstream-relay", &upstream, &kafka(&prefix), &upstream_writer, &shutdown);
-    write_outbox(&upstream.pool, &upstream_writer, topics::STATUS, &events(10, 1), 10).await;
-    write_outbox(&upstream.pool, &upstream_writer, topics::DISPATCH, &events(10, 1), 10).await;
+    let upstream = Upstream::start(&url, &prefix).await;
+    upstream.publish(&events(10, 1)).await;
+    write_outbox(&upstream.db.pool, &upstream.writer, topics::DISPATCH, &events(10, 1), 10).await;
     let (applied, twice) = wait_applied(&db.pool, 20, Duration::from_secs(30)).await;
     shutdown.cancel();
     assert_eq!(twice, 0, "an event applied twice");
